@@ -1,0 +1,166 @@
+"""What `decode.py` runs: load the target, read prompts, generate in batches, report stats.
+
+The last stdout line is one JSON object of stats (timings exclude compilation):
+  method, prompts, new_tokens, compile_s, prefill_s, decode_s, decode_tokens_per_s, ...
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from d2sd_jax import generate as G
+from d2sd_jax import loaders
+from d2sd_jax import sampling as sampling_lib
+
+METHODS = ('ar',)
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
+CACHE_BUCKET = 64
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Start-up checks that name the field and the fix."""
+  if config.method not in METHODS:
+    raise ValueError(f'method={config.method!r} is not one of {METHODS}')
+  if config.max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens={config.max_new_tokens} must be >= 1')
+  if config.batch_size < 1:
+    raise ValueError(f'batch_size={config.batch_size} must be >= 1')
+  if config.cache_len < 2:
+    raise ValueError(f'cache_len={config.cache_len} must be >= 2 (prompt + new tokens per row)')
+  if bool(config.prompt) == bool(config.prompts_file):
+    raise ValueError('give exactly one of prompt (a string) and prompts_file (a JSONL path with '
+                     'a "prompt" field per line)')
+  sampling_settings(config)  # raises on invalid temperature / top_k / top_p
+
+
+def sampling_settings(config) -> sampling_lib.SamplingSettings:
+  return sampling_lib.SamplingSettings(temperature=float(config.temperature),
+                                       top_k=int(config.top_k), top_p=float(config.top_p))
+
+
+def read_prompts(config) -> list[str]:
+  if config.prompt:
+    return [config.prompt]
+  prompts = []
+  try:
+    with open(config.prompts_file) as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          prompts.append(json.loads(line)['prompt'])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+          raise ValueError(f'{config.prompts_file}:{n}: each line must be a JSON object with a '
+                           f'"prompt" field ({e})') from e
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f'prompts_file {config.prompts_file!r} not found') from e
+  if not prompts:
+    raise ValueError(f'prompts_file {config.prompts_file!r} has no prompts')
+  return prompts
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+class ARRunner:
+  """Compiles prefill and the decode loop once per shape and times them apart."""
+
+  def __init__(self, target: loaders.Target, settings: G.GenerationSettings, cache_size: int):
+    self.target, self.settings, self.cache_size = target, settings, cache_size
+    self.compile_s = 0.0
+    self._prefill, self._decode = {}, None
+
+  def _compiled_prefill(self, prompts, lens, keys):
+    shape = prompts.shape
+    if shape not in self._prefill:
+      t = time.perf_counter()
+      fn = jax.jit(G.prefill, static_argnums=(1, 2, 6))
+      self._prefill[shape] = fn.lower(self.target.params, self.target.cfg, self.settings, prompts,
+                                      lens, keys, self.cache_size).compile()
+      self.compile_s += time.perf_counter() - t
+    return self._prefill[shape]
+
+  def _compiled_decode(self, state):
+    if self._decode is None:
+      t = time.perf_counter()
+      fn = jax.jit(G.decode_loop, static_argnums=(1, 2), donate_argnums=(3,))
+      self._decode = fn.lower(self.target.params, self.target.cfg, self.settings, state).compile()
+      self.compile_s += time.perf_counter() - t
+    return self._decode
+
+  def __call__(self, prompts_BxP, lens_B, keys_B):
+    prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(prefill(self.target.params, prompts_BxP, lens_B, keys_B))
+    t1 = time.perf_counter()
+    decode = self._compiled_decode(state)
+    t1 = time.perf_counter()  # compilation is not decode time
+    state = jax.block_until_ready(decode(self.target.params, state))
+    t2 = time.perf_counter()
+    return state, t1 - t0, t2 - t1
+
+
+def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
+  validate(config)
+  prompts = read_prompts(config)
+  target = loaders.load_target(config.target, config.dtype)
+  tok = target.tokenizer
+  if tok is None:
+    raise FileNotFoundError(f'target {config.target!r} has no tokenizer (tokenizer.json)')
+  prompt_ids = [tok.encode_prompt(p, config.chat) for p in prompts]
+  longest = max(len(p) for p in prompt_ids)
+  limit = min(config.cache_len, target.cfg.max_position)
+  if longest + config.max_new_tokens > limit:
+    raise ValueError(
+        f'prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} exceeds the cache '
+        f'length {limit} (cache_len={config.cache_len}, model context {target.cfg.max_position}): '
+        'shorten the prompt or lower max_new_tokens' +
+        (', or raise cache_len' if config.cache_len < target.cfg.max_position else ''))
+  settings = G.GenerationSettings(max_new_tokens=config.max_new_tokens, eos_ids=tok.eos_ids,
+                                  pad_id=tok.pad_id, sampling=sampling_settings(config))
+  # One cache size for the whole run (one decode program), just large enough for it.
+  cache_size = min(_round_up(_round_up(longest, PROMPT_BUCKET) + config.max_new_tokens,
+                             CACHE_BUCKET), max(limit, longest + config.max_new_tokens))
+  runner = ARRunner(target, settings, cache_size)
+
+  results, prefill_s, decode_s, new_tokens, decode_tokens, decode_steps = [], 0., 0., 0, 0, 0
+  B = config.batch_size
+  for start in range(0, len(prompts), B):
+    rows = list(range(start, min(start + B, len(prompts))))
+    # A short last batch is filled with copies of its first row (same program, outputs dropped).
+    batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
+    block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
+    block = block[:, :min(block.shape[1], cache_size)]
+    keys = G.row_keys(config.seed, rows + [rows[0]] * (B - len(rows)))
+    state, t_prefill, t_decode = runner(block, lens, keys)
+    prefill_s, decode_s = prefill_s + t_prefill, decode_s + t_decode
+    out_ids, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
+    decode_steps += int(steps)
+    for i, r in enumerate(rows):
+      ids = [int(t) for t in out_ids[i, :counts[i]]]
+      new_tokens += len(ids)
+      decode_tokens += len(ids) - 1  # the first token comes from the prefill
+      text = tok.decode([t for t in ids if t not in tok.eos_ids])
+      results.append({'prompt': prompts[r], 'completion': text, 'completion_ids': ids})
+      print(f'=== [{r}] {prompts[r]!r}\n{text}', file=out)
+
+  if config.output:
+    with open(config.output, 'w') as f:
+      for row in results:
+        f.write(json.dumps(row) + '\n')
+  stats = {
+      'method': config.method, 'target': config.target, 'prompts': len(prompts),
+      'batch_size': B, 'new_tokens': new_tokens, 'compile_s': round(runner.compile_s, 3),
+      'prefill_s': round(prefill_s, 4), 'decode_s': round(decode_s, 4),
+      'decode_tokens_per_s': round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+      'decode_steps': decode_steps,
+      'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
+  }
+  print(json.dumps(stats), file=out)
+  return stats

@@ -1,0 +1,222 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, SmolLM2) written as pure functions.
+
+Parameters and the KV cache are plain pytrees passed in and returned. One `forward` serves
+prefill, one-token decoding and token-tree verification: it writes the K/V of the T new tokens
+into cache slots `cache_len .. cache_len+T-1` of each row and lets every new token attend to the
+row's committed context (slots `< cache_len`) plus the new tokens its `tree_mask` row allows.
+The caller decides what to commit (it advances `cache_len`, or compacts tree entries).
+
+Parameter layout (`layers` is a list with one dict per layer):
+  embed        [V, D]
+  lm_head      [D, V]              (only when embeddings are untied)
+  final_norm   [D]
+  attn_norm [D], mlp_norm [D]
+  wqkv         [D, KVH, G+2, hd]   per KV head: its G query heads, then its key, then its value
+  bqkv         [KVH, G+2, hd]      (Qwen2 biases)
+  q_norm, k_norm [hd]              (Qwen3 per-head RMSNorm)
+  wo           [H*hd, D]
+  w_gate_up    [D, 2, F]           gate then up
+  w_down       [F, D]
+Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
+KV head keeps tensor-parallel sharding over heads a plain split of one axis.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False  # Qwen2
+  qk_norm: bool = False  # Qwen3
+  max_position: int = 8192  # context length the model was trained for
+  dtype: str = 'float32'  # parameter and activation dtype ('float32' or 'bfloat16')
+
+  def __post_init__(self):
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f'n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
+    if self.dtype not in ('float32', 'bfloat16'):
+      raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+
+  @property
+  def group(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
+  """Random parameters (tests and benchmarks); real ones come from `d2sd_jax.loaders`."""
+  L, D, H, KVH, hd, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                            cfg.d_ff, cfg.vocab_size)
+  ks = iter(jax.random.split(key, 8 * L + 8))
+  normal = lambda shape, s=scale: (s * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
+  near_one = lambda shape: (1.0 + 0.1 * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
+  def layer():
+    lp = {
+        'attn_norm': near_one((D,)),
+        'mlp_norm': near_one((D,)),
+        'wqkv': normal((D, KVH, cfg.group + 2, hd), scale / D**0.5 * 4),
+        'wo': normal((H * hd, D), scale / (H * hd)**0.5 * 4),
+        'w_gate_up': normal((D, 2, F), scale / D**0.5 * 4),
+        'w_down': normal((F, D), scale / F**0.5 * 4),
+    }
+    if cfg.qkv_bias:
+      lp['bqkv'] = normal((KVH, cfg.group + 2, hd), 0.1)
+    if cfg.qk_norm:
+      lp['q_norm'] = near_one((hd,))
+      lp['k_norm'] = near_one((hd,))
+    return lp
+
+  layers = [layer() for _ in range(L)]
+  params = {'embed': normal((V, D), 1.0), 'final_norm': near_one((D,)), 'layers': layers}
+  if not cfg.tie_embeddings:
+    params['lm_head'] = normal((D, V), scale / D**0.5 * 4)
+  return params
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  return {'k': jnp.zeros(shape, cfg.jnp_dtype), 'v': jnp.zeros(shape, cfg.jnp_dtype)}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
+  """Rotary embedding, 'rotate half' convention (Hugging Face layout)."""
+  hd = x_BxTxNxhd.shape[-1]
+  inv_freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  angle_BxTxh = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angle_BxTxh)[:, :, None, :]
+  sin = jnp.sin(angle_BxTxh)[:, :, None, :]
+  x = x_BxTxNxhd.astype(jnp.float32)
+  x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxhd.dtype)
+
+
+def attention_mask(cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array, max_len: int) -> jax.Array:
+  """[B, T, S] bool: context slots `< cache_len` plus the new-token slots the tree row allows."""
+  T = tree_mask_BxTxT.shape[-1]
+  rel_Bx1xS = jnp.arange(max_len)[None, None, :] - cache_len_B[:, None, None]
+  in_new = (rel_Bx1xS >= 0) & (rel_Bx1xS < T)
+  rel_idx = jnp.broadcast_to(jnp.clip(rel_Bx1xS, 0, T - 1), tree_mask_BxTxT.shape[:2] + (max_len,))
+  tree_part = jnp.take_along_axis(tree_mask_BxTxT, rel_idx, axis=-1) & in_new
+  return (rel_Bx1xS < 0) | tree_part
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+
+
+def _layer(cfg: ModelConfig, x_BxTxD, lp, k_cache_BxSxKxhd, v_cache_BxSxKxhd, positions_BxT,
+           slots_BxT, mask_BxTxS):
+  B, T, D = x_BxTxD.shape
+  KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
+  qkv = jnp.einsum('btd,dkgh->btkgh', h, lp['wqkv'])
+  if cfg.qkv_bias:
+    qkv = qkv + lp['bqkv']
+  q_BxTxKxGxhd, k_BxTxKxhd, v_BxTxKxhd = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+  if cfg.qk_norm:
+    q_BxTxKxGxhd = rms_norm(q_BxTxKxGxhd, lp['q_norm'], cfg.norm_eps)
+    k_BxTxKxhd = rms_norm(k_BxTxKxhd, lp['k_norm'], cfg.norm_eps)
+  q_BxTxHxhd = rope(q_BxTxKxGxhd.reshape(B, T, KVH * G, hd), positions_BxT, cfg.rope_base)
+  k_BxTxKxhd = rope(k_BxTxKxhd, positions_BxT, cfg.rope_base)
+
+  rows = jnp.arange(B)[:, None]
+  k_cache_BxSxKxhd = k_cache_BxSxKxhd.at[rows, slots_BxT].set(k_BxTxKxhd, mode='drop')
+  v_cache_BxSxKxhd = v_cache_BxSxKxhd.at[rows, slots_BxT].set(v_BxTxKxhd, mode='drop')
+
+  q = q_BxTxHxhd.reshape(B, T, KVH, G, hd).astype(jnp.float32) * hd**-0.5
+  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q, k_cache_BxSxKxhd.astype(jnp.float32))
+  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
+                               jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+  attn_BxTxKxGxhd = jnp.einsum('bkgts,bskh->btkgh', probs, v_cache_BxSxKxhd.astype(jnp.float32))
+  attn_BxTxE = attn_BxTxKxGxhd.reshape(B, T, KVH * G * hd).astype(x_BxTxD.dtype)
+  x_BxTxD = x_BxTxD + attn_BxTxE @ lp['wo']
+
+  h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
+  gate_up_BxTx2xF = jnp.einsum('btd,dcf->btcf', h, lp['w_gate_up'])
+  act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
+  x_BxTxD = x_BxTxD + act @ lp['w_down']
+  return x_BxTxD, k_cache_BxSxKxhd, v_cache_BxSxKxhd
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+            cache: Cache, cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array | None = None,
+            feature_layers: tuple[int, ...] = ()):
+  """Runs T new tokens per row after each row's cached context.
+
+  Args:
+    tokens_BxT, positions_BxT: the new tokens and their RoPE positions (a tree node's position is
+      its depth after the context).
+    cache: {'k', 'v'}: [L, B, S, KVH, hd]; the new tokens' K/V are written to slots
+      `cache_len_B + arange(T)` (slots past S are dropped: keep S large enough).
+    tree_mask_BxTxT: which new tokens each new token attends to (itself and its ancestors);
+      default causal. Rows must allow the diagonal.
+    feature_layers: hidden states to return, Hugging Face numbering (0 = embeddings, l = output
+      of layer l).
+
+  Returns:
+    (hidden_BxTxD after the final norm, updated cache, features_BxTxNxD or None)
+  """
+  B, T = tokens_BxT.shape
+  S = cache['k'].shape[2]
+  if tree_mask_BxTxT is None:
+    tree_mask_BxTxT = causal_mask(B, T)
+  mask_BxTxS = attention_mask(cache_len_B, tree_mask_BxTxT, S)
+  slots_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
+  x_BxTxD = params['embed'][tokens_BxT].astype(cfg.jnp_dtype)
+
+  # Layers are unrolled over a list of per-layer weights: a `lax.scan` over stacked weights makes
+  # XLA:CPU copy each layer's slice before its matmul, which halves decode speed.
+  states = [x_BxTxD]
+  k_all, v_all = cache['k'], cache['v']
+  for l, lp in enumerate(params['layers']):
+    x_BxTxD, k_l, v_l = _layer(cfg, x_BxTxD, lp, k_all[l], v_all[l], positions_BxT, slots_BxT,
+                               mask_BxTxS)
+    k_all, v_all = k_all.at[l].set(k_l), v_all.at[l].set(v_l)
+    states.append(x_BxTxD)
+  features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None
+  hidden_BxTxD = rms_norm(x_BxTxD, params['final_norm'], cfg.norm_eps)
+  return hidden_BxTxD, {'k': k_all, 'v': v_all}, features
+
+
+def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
+  """Float32 logits from final hidden states (tied or separate LM head)."""
+  if cfg.tie_embeddings:
+    out = jnp.einsum('btd,vd->btv', hidden_BxTxD, params['embed'])
+  else:
+    out = hidden_BxTxD @ params['lm_head']
+  return out.astype(jnp.float32)
+
+
+def param_bytes(params: Params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,16 @@
+"""Generate text with a target LM: python decode.py --config configs/smollm2.py [--config.x=y]."""
+from absl import app
+from ml_collections import config_flags
+
+from d2sd_jax import decoding
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'decode config file', lock_config=True)
+
+
+def main(argv):
+  del argv
+  decoding.run(_CONFIG.value)
+
+
+if __name__ == '__main__':
+  app.run(main)

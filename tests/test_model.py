@@ -1,0 +1,124 @@
+"""The functional target: cached decoding, tree verification, features, batching, dtypes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d2sd_jax import model as M
+
+
+def full_logits(cfg, params, tokens_BxT):
+  """Plain causal forward over whole sequences with a fresh cache (the reference)."""
+  B, T = tokens_BxT.shape
+  cache = M.init_cache(cfg, B, T)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  h, _, _ = M.forward(params, cfg, tokens_BxT, pos, cache, jnp.zeros((B,), jnp.int32))
+  return M.logits(params, cfg, h)
+
+
+def test_cached_decoding_matches_full_forward(tiny):
+  cfg, params = tiny
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
+  ref = full_logits(cfg, params, tokens)
+  # Prefill 5 tokens, then feed one token at a time through the cache.
+  cache = M.init_cache(cfg, 2, 16)
+  h, cache, _ = M.forward(params, cfg, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)),
+                          cache, jnp.zeros((2,), jnp.int32))
+  got = [M.logits(params, cfg, h)]
+  for t in range(5, 12):
+    cache_len = jnp.full((2,), t, jnp.int32)
+    h, cache, _ = M.forward(params, cfg, tokens[:, t:t + 1], cache_len[:, None], cache, cache_len)
+    got.append(M.logits(params, cfg, h))
+  np.testing.assert_allclose(jnp.concatenate(got, axis=1), ref, rtol=1e-5, atol=1e-5)
+
+
+def random_tree(rng, n):
+  """parents[i] < i (or -1 for a root), the ancestor-or-self mask and depths."""
+  parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, n)])
+  anc = np.eye(n, dtype=bool)
+  depth = np.zeros(n, int)
+  for i in range(n):
+    if parents[i] >= 0:
+      anc[i] |= anc[parents[i]]
+      depth[i] = depth[parents[i]] + 1
+  return parents, anc, depth
+
+
+def root_path(parents, i):
+  path = []
+  while i >= 0:
+    path.append(i)
+    i = parents[i]
+  return path[::-1]
+
+
+def test_tree_verification_matches_each_root_path(tiny):
+  cfg, params = tiny
+  rng = np.random.default_rng(0)
+  ctx_lens = [7, 4]  # two rows with different committed lengths
+  n = 10
+  ctx = rng.integers(0, cfg.vocab_size, (2, 7))
+  trees = [random_tree(rng, n) for _ in range(2)]
+  nodes = rng.integers(0, cfg.vocab_size, (2, n))
+  cache = M.init_cache(cfg, 2, 32)
+  # Stale junk past each row's context must never be attended to.
+  cache = jax.tree.map(lambda x: x + 100.0, cache)
+  h, cache, _ = M.forward(params, cfg, jnp.asarray(ctx), jnp.broadcast_to(jnp.arange(7), (2, 7)),
+                          cache, jnp.zeros((2,), jnp.int32))
+  cache_len = jnp.asarray(ctx_lens, jnp.int32)
+  positions = jnp.asarray([ctx_lens[b] + trees[b][2] for b in range(2)])
+  tree_mask = jnp.asarray(np.stack([trees[b][1] for b in range(2)]))
+  h, _, _ = M.forward(params, cfg, jnp.asarray(nodes), positions, cache, cache_len, tree_mask)
+  tree_logits = M.logits(params, cfg, h)
+  for b in range(2):
+    for i in range(n):
+      seq = list(ctx[b, :ctx_lens[b]]) + [nodes[b, j] for j in root_path(trees[b][0], i)]
+      ref = full_logits(cfg, params, jnp.asarray([seq]))[0, -1]
+      np.testing.assert_allclose(tree_logits[b, i], ref, rtol=1e-5, atol=1e-5,
+                                 err_msg=f'row {b} node {i}')
+
+
+def test_right_padded_batch_matches_single_rows(tiny):
+  cfg, params = tiny
+  rng = np.random.default_rng(1)
+  lens = [9, 3, 6]
+  tokens = rng.integers(0, cfg.vocab_size, (3, 9))
+  h, _, _ = M.forward(params, cfg, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(9), (3, 9)),
+                      M.init_cache(cfg, 3, 16), jnp.zeros((3,), jnp.int32))
+  batched = M.logits(params, cfg, h)
+  for b, n in enumerate(lens):
+    ref = full_logits(cfg, params, jnp.asarray(tokens[b:b + 1, :n]))[0]
+    np.testing.assert_allclose(batched[b, :n], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_feature_layers_are_the_residual_stream(tiny):
+  cfg, params = tiny
+  tokens = jnp.asarray([[3, 5, 7, 11]])
+  pos = jnp.arange(4)[None]
+  _, _, feats = M.forward(params, cfg, tokens, pos, M.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32),
+                          feature_layers=(0, 2, 1))
+  assert feats.shape == (1, 4, 3, cfg.d_model)
+  np.testing.assert_allclose(feats[:, :, 0], params['embed'][tokens])
+  # Layer 2 is the last layer: its output, normalised, is the final hidden state.
+  h, _, _ = M.forward(params, cfg, tokens, pos, M.init_cache(cfg, 1, 8), jnp.zeros(1, jnp.int32))
+  np.testing.assert_allclose(M.rms_norm(feats[:, :, 1], params['final_norm'], cfg.norm_eps), h,
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_tracks_float32(tiny):
+  cfg, params = tiny
+  cfg16 = M.ModelConfig(**{**cfg.__dict__, 'dtype': 'bfloat16'})
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  tokens = jnp.asarray([[1, 2, 3, 4, 5, 6]])
+  ref = full_logits(cfg, params, tokens)
+  got = full_logits(cfg16, params16, tokens)
+  assert got.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(got - ref))) < 0.1 * float(jnp.max(jnp.abs(ref)))
+
+
+def test_invalid_model_config():
+  with pytest.raises(ValueError, match='multiple of n_kv_heads'):
+    M.ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4, d_ff=8)
+  with pytest.raises(ValueError, match='dtype'):
+    M.ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=4,
+                  d_ff=8, dtype='float16')
