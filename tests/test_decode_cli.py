@@ -1,0 +1,126 @@
+"""decode.py's contract: config fields, printed completions, the final JSON stats line, errors."""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models
+
+from d2sd_jax import decoding
+from d2sd_jax import loaders
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(ROOT, 'configs'))
+import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
+
+EOS = '<eos>'
+
+
+@pytest.fixture(scope='module')
+def tiny_folder(tmp_path_factory):
+  """The tiny Llama fixture plus a character-level tokenizer, EOS and a chat template."""
+  folder = tmp_path_factory.mktemp('tiny') / 'llama'
+  shutil.copytree(os.path.join(ROOT, 'tests', 'fixtures', 'hf_tiny', 'llama'), folder)
+  chars = [chr(c) for c in range(32, 127)]  # 95 printable characters, then EOS = id 95
+  bpe = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+  bpe.add_special_tokens([EOS])
+  bpe.decoder = decoders.Fuse()
+  bpe.save(str(folder / 'tokenizer.json'))
+  (folder / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': EOS, 'chat_template':
+       '{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}[assistant] '}))
+  (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 95}))
+  return str(folder)
+
+
+def config_for(folder, **overrides):
+  config = smollm2_config.get_config()
+  config.target = folder
+  config.max_new_tokens = 12
+  config.update(overrides)
+  return config
+
+
+def run(config):
+  out = io.StringIO()
+  stats = decoding.run(config, out=out)
+  lines = out.getvalue().strip().split('\n')
+  assert json.loads(lines[-1]) == stats  # the stats are the last line
+  return stats, out.getvalue()
+
+
+def test_prompts_file_batches_and_output(tiny_folder, tmp_path):
+  prompts = ['def f(x):', 'Hello there, how', 'a', 'The quick brown fox jumps']
+  prompts_file = tmp_path / 'prompts.jsonl'
+  prompts_file.write_text(''.join(json.dumps({'prompt': p}) + '\n' for p in prompts))
+  results = {}
+  for batch_size in (1, 3):
+    out_file = tmp_path / f'out{batch_size}.jsonl'
+    stats, text = run(config_for(tiny_folder, prompt='', prompts_file=str(prompts_file),
+                                 batch_size=batch_size, output=str(out_file), chat=False))
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r['prompt'] for r in rows] == prompts
+    for r in rows:
+      assert 1 <= len(r['completion_ids']) <= 12
+      assert r['completion'] in text
+    assert stats['method'] == 'ar' and stats['prompts'] == 4
+    assert stats['new_tokens'] == sum(len(r['completion_ids']) for r in rows)
+    for key in ('compile_s', 'prefill_s', 'decode_s', 'decode_tokens_per_s'):
+      assert stats[key] > 0
+    results[batch_size] = [r['completion_ids'] for r in rows]
+  assert results[1] == results[3]  # batching (with a padded last batch) changes nothing
+
+
+def test_chat_template_is_applied(tiny_folder):
+  tok = loaders.load_target(tiny_folder).tokenizer
+  assert tok.eos_ids == (95,)
+  ids = tok.encode_prompt('hi', chat=True)
+  assert tok.decode(ids) == '[user] hi[assistant] '
+  assert tok.encode_prompt('hi', chat=False) == tok.encode('hi') == [ord('h') - 32, ord('i') - 32]
+
+
+@pytest.mark.parametrize('overrides,error,match', [
+    ({'prompt': ''}, ValueError, 'exactly one of prompt'),
+    ({'prompt': 'x', 'prompts_file': 'p.jsonl'}, ValueError, 'exactly one of prompt'),
+    ({'prompt': '', 'prompts_file': '/nonexistent.jsonl'}, FileNotFoundError, 'not found'),
+    ({'method': 'magic'}, ValueError, 'method'),
+    ({'temperature': -0.5}, ValueError, 'temperature'),
+    ({'top_p': 0.0}, ValueError, 'top_p'),
+    ({'top_k': -1}, ValueError, 'top_k'),
+    ({'max_new_tokens': 0}, ValueError, 'max_new_tokens'),
+    ({'batch_size': 0}, ValueError, 'batch_size'),
+    ({'prompt': 'x' * 40, 'cache_len': 48}, ValueError, 'exceeds the cache length 48'),
+    ({'prompt': 'x' * 40, 'max_new_tokens': 100}, ValueError, r'model context 128'),
+    ({'target': '/no/such/checkpoint'}, FileNotFoundError, 'not found'),
+])
+def test_bad_input_is_explained(tiny_folder, overrides, error, match):
+  with pytest.raises(error, match=match):
+    decoding.run(config_for(tiny_folder, chat=False, **overrides), out=io.StringIO())
+
+
+def test_bad_prompts_file_lines(tiny_folder, tmp_path):
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+  with pytest.raises(ValueError, match='bad.jsonl:2'):
+    decoding.run(config_for(tiny_folder, prompt='', prompts_file=str(bad)), out=io.StringIO())
+  empty = tmp_path / 'empty.jsonl'
+  empty.write_text('{"prompt": ""}\n')
+  with pytest.raises(ValueError, match='empty prompt'):
+    decoding.run(config_for(tiny_folder, prompt='', prompts_file=str(empty), chat=False),
+                 out=io.StringIO())
+
+
+def test_decode_py_on_smollm2():
+  """The README's command, on the real target, through the real entry point."""
+  proc = subprocess.run(
+      [sys.executable, 'decode.py', '--config', 'configs/smollm2.py', '--config.max_new_tokens=6',
+       '--config.prompt=What is the capital of France?'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  stats = json.loads(proc.stdout.strip().split('\n')[-1])
+  assert stats['method'] == 'ar' and stats['new_tokens'] == 6
+  assert 'Paris' in proc.stdout
