@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 Params = dict[str, Any]
-Cache = dict[str, jax.Array]
+Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, KVH, S, hd]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +97,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
-  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-  return {'k': jnp.zeros(shape, cfg.jnp_dtype), 'v': jnp.zeros(shape, cfg.jnp_dtype)}
+  """One {'k', 'v'} buffer pair per layer, [B, KVH, S, hd].
+
+  Separate per-layer buffers let XLA update each in place inside a while loop (writing a slice
+  of one stacked [L, ...] array copied the whole cache once per layer), and heads-before-slots
+  makes the attention dots contiguous per (row, head).
+  """
+  shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+  return [{'k': jnp.zeros(shape, cfg.jnp_dtype), 'v': jnp.zeros(shape, cfg.jnp_dtype)}
+          for _ in range(cfg.n_layers)]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -120,22 +127,25 @@ def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Ar
   return out.astype(x_BxTxNxhd.dtype)
 
 
-def attention_mask(cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array, max_len: int) -> jax.Array:
-  """[B, T, S] bool: context slots `< cache_len` plus the new-token slots the tree row allows."""
-  T = tree_mask_BxTxT.shape[-1]
-  rel_Bx1xS = jnp.arange(max_len)[None, None, :] - cache_len_B[:, None, None]
-  in_new = (rel_Bx1xS >= 0) & (rel_Bx1xS < T)
-  rel_idx = jnp.broadcast_to(jnp.clip(rel_Bx1xS, 0, T - 1), tree_mask_BxTxT.shape[:2] + (max_len,))
-  tree_part = jnp.take_along_axis(tree_mask_BxTxT, rel_idx, axis=-1) & in_new
-  return (rel_Bx1xS < 0) | tree_part
-
-
 def causal_mask(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
 
 
-def _layer(cfg: ModelConfig, x_BxTxD, lp, k_cache_BxSxKxhd, v_cache_BxSxKxhd, positions_BxT,
-           slots_BxT, mask_BxTxS):
+def _write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
+  """cache[b, :, start_b:start_b+T] = new[b]: one in-place dynamic-update-slice per row.
+
+  (A scatter here made XLA:CPU copy the layer's whole cache every step.) Callers keep
+  start_b + T <= S: dynamic_update_slice clamps the start rather than dropping the write.
+  """
+  new_BxKxTxhd = new_BxKxTxhd.astype(cache_BxKxSxhd.dtype)
+  for b in range(cache_BxKxSxhd.shape[0]):
+    cache_BxKxSxhd = jax.lax.dynamic_update_slice(cache_BxKxSxhd, new_BxKxTxhd[b:b + 1],
+                                                  (b, 0, start_B[b], 0))
+  return cache_BxKxSxhd
+
+
+def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_mask_BxS,
+           tree_mask_BxTxT):
   B, T, D = x_BxTxD.shape
   KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
@@ -149,24 +159,43 @@ def _layer(cfg: ModelConfig, x_BxTxD, lp, k_cache_BxSxKxhd, v_cache_BxSxKxhd, po
   q_BxTxHxhd = rope(q_BxTxKxGxhd.reshape(B, T, KVH * G, hd), positions_BxT, cfg.rope_base)
   k_BxTxKxhd = rope(k_BxTxKxhd, positions_BxT, cfg.rope_base)
 
-  rows = jnp.arange(B)[:, None]
-  k_cache_BxSxKxhd = k_cache_BxSxKxhd.at[rows, slots_BxT].set(k_BxTxKxhd, mode='drop')
-  v_cache_BxSxKxhd = v_cache_BxSxKxhd.at[rows, slots_BxT].set(v_BxTxKxhd, mode='drop')
-
-  q = q_BxTxHxhd.reshape(B, T, KVH, G, hd).astype(jnp.float32) * hd**-0.5
-  scores_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q, k_cache_BxSxKxhd.astype(jnp.float32))
-  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
-                               jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
-  attn_BxTxKxGxhd = jnp.einsum('bkgts,bskh->btkgh', probs, v_cache_BxSxKxhd.astype(jnp.float32))
-  attn_BxTxE = attn_BxTxKxGxhd.reshape(B, T, KVH * G * hd).astype(x_BxTxD.dtype)
+  # Attention over [committed context in the cache ; the T new tokens], one softmax: the
+  # context part reads the cache as it was, so the write below is the cache's only update and
+  # XLA does it in place (attending through the freshly written cache made it copy the whole
+  # layer cache several times per step).
+  k_new_BxKxTxhd = k_BxTxKxhd.transpose(0, 2, 1, 3)
+  v_new_BxKxTxhd = v_BxTxKxhd.transpose(0, 2, 1, 3)
+  q_BxKxQxhd = (q_BxTxHxhd.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
+                .reshape(B, KVH, G * T, hd).astype(jnp.float32) * hd**-0.5)
+  f32 = lambda x: x.astype(jnp.float32)
+  scores_ctx_BxKxQxS = jnp.einsum('bkqh,bksh->bkqs', q_BxKxQxhd, f32(kv['k']))
+  scores_new_BxKxQxT = jnp.einsum('bkqh,bkth->bkqt', q_BxKxQxhd, f32(k_new_BxKxTxhd))
+  S = scores_ctx_BxKxQxS.shape[-1]
+  mask_new_Bx1xQxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, G, T, T))
+  mask_BxKxQxST = jnp.concatenate(
+      [jnp.broadcast_to(ctx_mask_BxS[:, None, None, :], (B, 1, G * T, S)),
+       mask_new_Bx1xQxT.reshape(B, 1, G * T, T)], axis=-1)
+  scores = jnp.concatenate([scores_ctx_BxKxQxS, scores_new_BxKxQxT], axis=-1)
+  probs = jax.nn.softmax(jnp.where(mask_BxKxQxST, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  attn_BxKxQxhd = (jnp.einsum('bkqs,bksh->bkqh', probs[..., :S], f32(kv['v'])) +
+                   jnp.einsum('bkqt,bkth->bkqh', probs[..., S:], f32(v_new_BxKxTxhd)))
+  attn_BxTxE = (attn_BxKxQxhd.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4)
+                .reshape(B, T, KVH * G * hd).astype(x_BxTxD.dtype))
+  # Order the write after the reads: XLA only updates the cache in place when the written value
+  # depends on what read the old cache (an optimization barrier is not enough); otherwise it
+  # copies the whole layer cache every step. `0 *` keeps the values (attention is finite).
+  after_reads_BxKxTxhd = 0.0 * attn_BxKxQxhd[:, :, :T].astype(k_new_BxKxTxhd.dtype)
+  k_new_BxKxTxhd = k_new_BxKxTxhd + after_reads_BxKxTxhd
+  v_new_BxKxTxhd = v_new_BxKxTxhd + after_reads_BxKxTxhd
+  new_kv = {'k': _write_rows(kv['k'], k_new_BxKxTxhd, slots_start_B),
+            'v': _write_rows(kv['v'], v_new_BxKxTxhd, slots_start_B)}
   x_BxTxD = x_BxTxD + attn_BxTxE @ lp['wo']
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
   gate_up_BxTx2xF = jnp.einsum('btd,dcf->btcf', h, lp['w_gate_up'])
   act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
   x_BxTxD = x_BxTxD + act @ lp['w_down']
-  return x_BxTxD, k_cache_BxSxKxhd, v_cache_BxSxKxhd
+  return x_BxTxD, new_kv
 
 
 def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
@@ -177,8 +206,9 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   Args:
     tokens_BxT, positions_BxT: the new tokens and their RoPE positions (a tree node's position is
       its depth after the context).
-    cache: {'k', 'v'}: [L, B, S, KVH, hd]; the new tokens' K/V are written to slots
-      `cache_len_B + arange(T)` (slots past S are dropped: keep S large enough).
+    cache: per layer {'k', 'v'}: [B, KVH, S, hd]; the new tokens' K/V are written to slots
+      `cache_len_B + arange(T)`; callers keep cache_len + T <= S (a write past the end would be
+      clamped onto earlier slots). Attention reads only slots < cache_len from the cache.
     tree_mask_BxTxT: which new tokens each new token attends to (itself and its ancestors);
       default causal. Rows must allow the diagonal.
     feature_layers: hidden states to return, Hugging Face numbering (0 = embeddings, l = output
@@ -188,25 +218,23 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
     (hidden_BxTxD after the final norm, updated cache, features_BxTxNxD or None)
   """
   B, T = tokens_BxT.shape
-  S = cache['k'].shape[2]
+  S = cache[0]['k'].shape[2]
   if tree_mask_BxTxT is None:
     tree_mask_BxTxT = causal_mask(B, T)
-  mask_BxTxS = attention_mask(cache_len_B, tree_mask_BxTxT, S)
-  slots_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
+  ctx_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
   x_BxTxD = params['embed'][tokens_BxT].astype(cfg.jnp_dtype)
 
-  # Layers are unrolled over a list of per-layer weights: a `lax.scan` over stacked weights makes
-  # XLA:CPU copy each layer's slice before its matmul, which halves decode speed.
-  states = [x_BxTxD]
-  k_all, v_all = cache['k'], cache['v']
-  for l, lp in enumerate(params['layers']):
-    x_BxTxD, k_l, v_l = _layer(cfg, x_BxTxD, lp, k_all[l], v_all[l], positions_BxT, slots_BxT,
-                               mask_BxTxS)
-    k_all, v_all = k_all.at[l].set(k_l), v_all.at[l].set(v_l)
+  # Layers are unrolled over lists of per-layer weights and caches: a `lax.scan` over stacked
+  # weights makes XLA:CPU copy each layer's slice before its matmul.
+  states, new_cache = [x_BxTxD], []
+  for lp, kv in zip(params['layers'], cache):
+    x_BxTxD, kv = _layer(cfg, x_BxTxD, lp, kv, positions_BxT, cache_len_B, ctx_mask_BxS,
+                         tree_mask_BxTxT)
+    new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None
   hidden_BxTxD = rms_norm(x_BxTxD, params['final_norm'], cfg.norm_eps)
-  return hidden_BxTxD, {'k': k_all, 'v': v_all}, features
+  return hidden_BxTxD, new_cache, features
 
 
 def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
