@@ -236,13 +236,12 @@ def _assemble(cfg: ModelConfig, layer: Callable[[int], dict], embed_VxD, final_n
   layers = []
   for i in range(cfg.n_layers):
     w = layer(i)
-    q = w['q_proj'].T.reshape(D, KVH, G, hd)
-    k = w['k_proj'].T.reshape(D, KVH, 1, hd)
-    v = w['v_proj'].T.reshape(D, KVH, 1, hd)
+    q = w['q_proj'].reshape(KVH, G, hd, D)
+    k = w['k_proj'].reshape(KVH, 1, hd, D)
+    v = w['v_proj'].reshape(KVH, 1, hd, D)
     lp = {'attn_norm': w['input_layernorm'], 'mlp_norm': w['post_attention_layernorm'],
-          'wqkv': np.concatenate([q, k, v], axis=2), 'wo': w['o_proj'].T,
-          'w_gate_up': np.stack([w['gate_proj'].T, w['up_proj'].T], axis=1),
-          'w_down': w['down_proj'].T}
+          'wqkv': np.concatenate([q, k, v], axis=1), 'wo': w['o_proj'],
+          'w_gate_up': np.stack([w['gate_proj'], w['up_proj']]), 'w_down': w['down_proj']}
     if cfg.qkv_bias:
       lp['bqkv'] = np.concatenate([w['q_bias'].reshape(KVH, G, hd),
                                    w['k_bias'].reshape(KVH, 1, hd),
@@ -252,5 +251,5 @@ def _assemble(cfg: ModelConfig, layer: Callable[[int], dict], embed_VxD, final_n
     layers.append({name: as_param(x) for name, x in lp.items()})
   params = {'embed': as_param(embed_VxD), 'final_norm': as_param(final_norm_D), 'layers': layers}
   if lm_head_VxD is not None:
-    params['lm_head'] = as_param(lm_head_VxD.T)
+    params['lm_head'] = as_param(lm_head_VxD)
   return params

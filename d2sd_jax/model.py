@@ -8,15 +8,17 @@ The caller decides what to commit (it advances `cache_len`, or compacts tree ent
 
 Parameter layout (`layers` is a list with one dict per layer):
   embed        [V, D]
-  lm_head      [D, V]              (only when embeddings are untied)
+  lm_head      [V, D]              (only when embeddings are untied)
   final_norm   [D]
   attn_norm [D], mlp_norm [D]
-  wqkv         [D, KVH, G+2, hd]   per KV head: its G query heads, then its key, then its value
+  wqkv         [KVH, G+2, hd, D]   per KV head: its G query heads, then its key, then its value
   bqkv         [KVH, G+2, hd]      (Qwen2 biases)
   q_norm, k_norm [hd]              (Qwen3 per-head RMSNorm)
-  wo           [H*hd, D]
-  w_gate_up    [D, 2, F]           gate then up
-  w_down       [F, D]
+  wo           [D, H*hd]
+  w_gate_up    [2, F, D]           gate then up
+  w_down       [D, F]
+Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products stream
+them 8-13 % faster than [in, out] at batch 1 and 8.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 """
@@ -77,10 +79,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
     lp = {
         'attn_norm': near_one((D,)),
         'mlp_norm': near_one((D,)),
-        'wqkv': normal((D, KVH, cfg.group + 2, hd), scale / D**0.5 * 4),
-        'wo': normal((H * hd, D), scale / (H * hd)**0.5 * 4),
-        'w_gate_up': normal((D, 2, F), scale / D**0.5 * 4),
-        'w_down': normal((F, D), scale / F**0.5 * 4),
+        'wqkv': normal((KVH, cfg.group + 2, hd, D), scale / D**0.5 * 4),
+        'wo': normal((D, H * hd), scale / (H * hd)**0.5 * 4),
+        'w_gate_up': normal((2, F, D), scale / D**0.5 * 4),
+        'w_down': normal((D, F), scale / F**0.5 * 4),
     }
     if cfg.qkv_bias:
       lp['bqkv'] = normal((KVH, cfg.group + 2, hd), 0.1)
@@ -92,7 +94,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
   layers = [layer() for _ in range(L)]
   params = {'embed': normal((V, D), 1.0), 'final_norm': near_one((D,)), 'layers': layers}
   if not cfg.tie_embeddings:
-    params['lm_head'] = normal((D, V), scale / D**0.5 * 4)
+    params['lm_head'] = normal((V, D), scale / D**0.5 * 4)
   return params
 
 
@@ -131,6 +133,10 @@ def causal_mask(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
 
 
+def _linear(x_BxTxI, w_OxI):
+  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI)
+
+
 def _write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
   """cache[b, :, start_b:start_b+T] = new[b]: one in-place dynamic-update-slice per row.
 
@@ -149,7 +155,9 @@ def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_
   B, T, D = x_BxTxD.shape
   KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
-  qkv = jnp.einsum('btd,dkgh->btkgh', h, lp['wqkv'])
+  # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
+  # transpose it every step.
+  qkv = _linear(h, lp['wqkv'].reshape(-1, D)).reshape(B, T, KVH, G + 2, hd)
   if cfg.qkv_bias:
     qkv = qkv + lp['bqkv']
   q_BxTxKxGxhd, k_BxTxKxhd, v_BxTxKxhd = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
@@ -189,12 +197,12 @@ def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_
   v_new_BxKxTxhd = v_new_BxKxTxhd + after_reads_BxKxTxhd
   new_kv = {'k': _write_rows(kv['k'], k_new_BxKxTxhd, slots_start_B),
             'v': _write_rows(kv['v'], v_new_BxKxTxhd, slots_start_B)}
-  x_BxTxD = x_BxTxD + attn_BxTxE @ lp['wo']
+  x_BxTxD = x_BxTxD + _linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
-  gate_up_BxTx2xF = jnp.einsum('btd,dcf->btcf', h, lp['w_gate_up'])
+  gate_up_BxTx2xF = _linear(h, lp['w_gate_up'].reshape(-1, D)).reshape(B, T, 2, -1)
   act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
-  x_BxTxD = x_BxTxD + act @ lp['w_down']
+  x_BxTxD = x_BxTxD + _linear(act, lp['w_down'])
   return x_BxTxD, new_kv
 
 
@@ -239,11 +247,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
 
 def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
   """Float32 logits from final hidden states (tied or separate LM head)."""
-  if cfg.tie_embeddings:
-    out = jnp.einsum('btd,vd->btv', hidden_BxTxD, params['embed'])
-  else:
-    out = hidden_BxTxD @ params['lm_head']
-  return out.astype(jnp.float32)
+  head_VxD = params['embed'] if cfg.tie_embeddings else params['lm_head']
+  return jnp.einsum('btd,vd->btv', hidden_BxTxD, head_VxD).astype(jnp.float32)
 
 
 def param_bytes(params: Params) -> int:
