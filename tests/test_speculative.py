@@ -1,0 +1,233 @@
+"""The speculative step: equal to AR, caches equal a fresh prefill, one program, exact sampling."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d2sd_jax import generate as G
+from d2sd_jax import model as M
+from d2sd_jax import sampling as S
+from d2sd_jax import speculative as SP
+from d2sd_jax import tree as tree_lib
+
+PROMPTS = [[5, 9, 2, 33, 7, 1, 60, 5, 9, 2], [12], [40, 41, 42, 43, 40, 41]]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted():
+  return (jax.jit(G.generate, static_argnums=(1, 2, 6)),
+          jax.jit(SP.init_state, static_argnums=(1, 2, 6)),
+          jax.jit(SP.spec_loop, static_argnums=(1, 2)),
+          jax.jit(SP.spec_step, static_argnums=(1, 2)))
+
+
+def run_both(cfg, params, prompts, spec, seed=0):
+  """AR tokens and speculative tokens for the same prompts and row keys."""
+  gen_ar, init, loop, _ = _jitted()
+  block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
+  keys = G.row_keys(seed, range(len(prompts)))
+  ar = gen_ar(params, cfg, spec.generation, block, lens, keys,
+              block.shape[1] + spec.generation.max_new_tokens)
+  state = init(params, cfg, spec, block, lens, keys,
+               SP.cache_size_needed(block.shape[1], spec))
+  state = loop(params, cfg, spec, state)
+  n = spec.generation.max_new_tokens
+  ar_out = [ar.out_BxN[b, :ar.num_out_B[b]].tolist() for b in range(len(prompts))]
+  sp_out = [SP.generated(state, n)[b, :state.num_out_B[b]].tolist() for b in range(len(prompts))]
+  return ar_out, sp_out, state
+
+
+@pytest.mark.parametrize('gamma', [2, 5, 8])
+def test_pld_greedy_equals_ar(tiny, gamma):
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=23, eos_ids=(), pad_id=0),
+                         method='pld', gamma=gamma)
+  ar, sp, state = run_both(cfg, params, PROMPTS, spec)
+  assert sp == ar
+  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0  # drafts were accepted along the way
+
+
+def test_eos_inside_accepted_path_stops_where_ar_does(tiny):
+  cfg, params = tiny
+  free, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(
+      G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=0), gamma=6))
+  for eos in {free[0][5], free[2][3]}:
+    spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=16, eos_ids=(eos,), pad_id=0),
+                           gamma=6)
+    ar, sp, _ = run_both(cfg, params, PROMPTS, spec)
+    assert sp == ar
+    assert any(len(o) < 16 for o in ar)
+
+
+@pytest.mark.parametrize('max_new', [1, 2, 7])
+def test_length_limit_inside_accepted_path(tiny, max_new):
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=max_new, eos_ids=(), pad_id=0),
+                         gamma=8)
+  ar, sp, _ = run_both(cfg, params, PROMPTS, spec)
+  assert sp == ar and all(len(o) == max_new for o in sp)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def fresh_prefill_cache(cfg, params, tokens_1xL):
+  """Cache of a plain causal prefill (slots past the real tokens are causal junk; compare
+  only the first n)."""
+  L = tokens_1xL.shape[1]
+  _, cache, _ = M.forward(params, cfg, tokens_1xL, jnp.arange(L)[None], M.init_cache(cfg, 1, L),
+                          jnp.zeros((1,), jnp.int32))
+  return cache
+
+
+def test_cache_equals_fresh_prefill_after_each_cycle(tiny):
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=30, eos_ids=(), pad_id=0), gamma=6)
+  _, init, _, step = _jitted()
+  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(params, cfg, spec, block, lens, G.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  for _ in range(5):
+    state = step(params, cfg, spec, state)
+    for b in range(3):
+      n = int(state.cache_len_B[b])
+      assert n == int(state.seq_len_B[b]) - 1
+      ref = fresh_prefill_cache(cfg, params, state.seq_BxL[b:b + 1, :64])
+      for layer, ref_layer in zip(state.cache, ref):
+        for kv in ('k', 'v'):
+          np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-5,
+                                     atol=1e-5)
+      # Nothing but pad after the committed tokens.
+      assert all(t == 0 for t in state.seq_BxL[b, int(state.seq_len_B[b]):].tolist())
+
+
+def oracle_drafter(reference_BxN, corrupt):
+  """Proposes the AR continuation (or, corrupted, a token that is always wrong)."""
+
+  def draft(state, settings):
+    k = state.num_out_B[:, None] + jnp.arange(settings.gamma - 1)[None]
+    ref = jnp.take_along_axis(reference_BxN, jnp.clip(k, 0, reference_BxN.shape[1] - 1), 1)
+    if corrupt:
+      ref = (ref + 1) % 64
+    return tree_lib.chain(state.anchor_B, ref, k < reference_BxN.shape[1])
+
+  return draft
+
+
+@pytest.mark.parametrize('corrupt', [False, True])
+def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
+  cfg, params = tiny
+  gen = G.GenerationSettings(max_new_tokens=25, eos_ids=(), pad_id=0)
+  ar, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(gen, gamma=5))
+  reference = jnp.asarray([o + [0] * 8 for o in ar])
+  method = 'oracle_wrong' if corrupt else 'oracle'  # distinct static settings -> own program
+  monkeypatch.setitem(SP.DRAFTERS, method, oracle_drafter(reference, corrupt))
+  spec = SP.SpecSettings(gen, method=method, gamma=5)
+  ar2, sp, state = run_both(cfg, params, PROMPTS, spec)
+  assert sp == ar == ar2
+  hist = np.asarray(state.accepted_hist_BxK)
+  if corrupt:  # nothing accepted: one token per cycle, tau = 1
+    assert hist[:, 1:].sum() == 0 and (state.cycles_B == 24).all()
+  else:  # every draft accepted: gamma tokens per cycle (the last cycle is cut by the limit)
+    assert (hist[:, 4] == 5).all() and (state.cycles_B == 5).all()  # 1 + 5 * 5 >= 25
+
+
+def test_batched_equals_per_prompt_and_seeded_sampling(tiny):
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=15, eos_ids=(3,), pad_id=0,
+                                              sampling=S.SamplingSettings(temperature=6.0)),
+                         gamma=4)
+  _, batched, _ = run_both(cfg, params, PROMPTS, spec, seed=3)
+  _, again, _ = run_both(cfg, params, PROMPTS, spec, seed=3)
+  assert batched == again
+  _, init, loop, _ = _jitted()
+  for r, prompt in enumerate(PROMPTS):
+    block, lens = G.pad_prompts([prompt], 0, bucket=8)
+    state = init(params, cfg, spec, block, lens, G.row_keys(3, [r]),
+                 SP.cache_size_needed(block.shape[1], spec))
+    state = loop(params, cfg, spec, state)
+    assert SP.generated(state, 15)[0, :state.num_out_B[0]].tolist() == batched[r]
+
+
+def test_one_program_without_host_transfers(tiny):
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0), gamma=4)
+  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
+  keys = G.row_keys(0, range(3))
+  _, init, _, _ = _jitted()
+  state = init(params, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
+  loop = jax.jit(SP.spec_loop, static_argnums=(1, 2)).lower(params, cfg, spec, state).compile()
+  assert 'while' in loop.as_text()
+  with jax.transfer_guard('disallow'):
+    out = loop(params, state)
+  assert bool(out.done_B.all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample-and-match over a tree of point-mass drafts: the output law is the target's.
+
+
+def toy_joint(rng_seed=0, V=4):
+  """A toy 'target': p(x1) and p(x2 | x1) as explicit tables."""
+  rng = np.random.default_rng(rng_seed)
+  p1 = rng.dirichlet(np.ones(V))
+  p2 = rng.dirichlet(np.ones(V), size=V)
+  return p1, p2
+
+
+def test_sample_and_match_two_tokens_is_exact():
+  """Tree: anchor -> {a, b (siblings), a again (a duplicate)}; a -> c. We sample the first two
+  output tokens (accepted path + bonus, then a fresh target draw if only one was emitted) and
+  compare their joint law with p(x1) p(x2 | x1) by a chi-square test."""
+  V = 4
+  p1, p2 = toy_joint()
+  a, b, c = 1, 2, 3
+  # Nodes: 0 anchor, 1 = a, 2 = b, 3 = a (duplicate of node 1), 4 = c under node 1.
+  tokens = jnp.asarray([[0, a, b, a, c]])
+  parents = jnp.asarray([[0, 0, 0, 0, 1]])
+  tree = tree_lib.Tree(tokens, parents, jnp.ones((1, 5), bool))
+  anc, depth = tree_lib.structure(tree)
+  # Target logits at each node: at the anchor p1; at a node with token x (depth 1), p2[x].
+  node_probs = np.stack([p1, p2[a], p2[b], p2[a], p1])  # node 4's children are never drafted
+  logits = jnp.log(jnp.asarray(node_probs, jnp.float32))[None]
+  settings = S.SamplingSettings(temperature=1.0)
+
+  def two_tokens(key):
+    k1, k2 = jax.random.split(key)
+    best, n_acc, bonus, path = tree_lib.accept_point_mass(tree, anc, depth, logits, settings,
+                                                          k1[None])
+    path_tokens = tokens[0][path[0]]
+    x1 = jnp.where(n_acc[0] >= 1, path_tokens[1], bonus[0])
+    # If only x1 was emitted, x2 comes from the next cycle: a fresh draw from p2[x1].
+    fresh = jax.random.categorical(k2, jnp.log(jnp.asarray(p2, jnp.float32))[x1])
+    x2 = jnp.where(n_acc[0] >= 2, path_tokens[2], jnp.where(n_acc[0] == 1, bonus[0], fresh))
+    return x1 * V + x2
+
+  n = 60000
+  draws = jax.vmap(two_tokens)(jax.random.split(jax.random.PRNGKey(0), n))
+  counts = np.bincount(np.asarray(draws), minlength=V * V)
+  expected = (p1[:, None] * p2).reshape(-1) * n
+  chi2 = np.sum((counts - expected)**2 / expected)
+  assert chi2 < 45.0  # 15 degrees of freedom: p ≈ 1e-4
+
+
+def test_soft_q_for_an_argmax_draft_is_detected():
+  """The biased rule: accepting an argmax draft x with min(1, p(x)/q(x)), q = the drafter's soft
+  probability, then resampling from norm(max(p - q, 0)). Its output law differs from p."""
+  p = np.array([0.5, 0.3, 0.2])
+  q = np.array([0.6, 0.3, 0.1])  # the drafter's distribution; its argmax 0 is always drafted
+  x = 0
+  accept = min(1.0, p[x] / q[x])
+  residual = np.maximum(p - q, 0)
+  residual /= residual.sum()
+  biased = np.zeros(3)
+  biased[x] += accept
+  biased += (1 - accept) * residual
+  # Point-mass rule (q one-hot at x): accept with p(x), else draw from p without x.
+  exact = np.zeros(3)
+  exact[x] += p[x]
+  rest = p.copy()
+  rest[x] = 0
+  exact += (1 - p[x]) * rest / rest.sum()
+  np.testing.assert_allclose(exact, p)
+  assert np.abs(biased - p).max() > 0.05
