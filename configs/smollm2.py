@@ -9,7 +9,9 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.target = 'smollm2'  # 'smollm2', a .gguf file, or a Hugging Face folder (config.json + *.safetensors)
   c.dtype = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
-  c.method = 'ar'  # decoding method: 'ar' (plain autoregressive)
+  c.method = 'ar'  # 'ar' (plain autoregressive) or 'pld' (prompt-lookup speculative decoding)
+  c.gamma = 8  # speculative block: the anchor + gamma-1 drafted tokens verified per cycle
+  c.ngram_max = 3  # pld: longest n-gram looked up in the context
   c.prompt = 'Write a Python function that returns the n-th Fibonacci number.'  # one prompt...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line (set prompt='')
   c.chat = True  # wrap each prompt in the model's chat template

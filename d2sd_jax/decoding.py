@@ -16,8 +16,9 @@ import ml_collections
 from d2sd_jax import generate as G
 from d2sd_jax import loaders
 from d2sd_jax import sampling as sampling_lib
+from d2sd_jax import speculative as SP
 
-METHODS = ('ar',)
+METHODS = ('ar', 'pld')
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
 
@@ -30,6 +31,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'max_new_tokens={config.max_new_tokens} must be >= 1')
   if config.batch_size < 1:
     raise ValueError(f'batch_size={config.batch_size} must be >= 1')
+  if config.method != 'ar' and config.gamma < 2:
+    raise ValueError(f'gamma={config.gamma} must be >= 2 (the anchor plus at least one draft)')
   if config.cache_len < 2:
     raise ValueError(f'cache_len={config.cache_len} must be >= 2 (prompt + new tokens per row)')
   if bool(config.prompt) == bool(config.prompts_file):
@@ -68,42 +71,71 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-class ARRunner:
-  """Compiles prefill and the decode loop once per shape and times them apart."""
+class Runner:
+  """Compiles a method's prefill and decode loop once per shape and times them apart.
 
-  def __init__(self, target: loaders.Target, settings: G.GenerationSettings, cache_size: int):
-    self.target, self.settings, self.cache_size = target, settings, cache_size
+  `prefill(params, prompts, lens, keys) -> state` and `loop(params, state) -> state` are the
+  method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the results.
+  """
+
+  def __init__(self, target: loaders.Target, prefill_fn, loop_fn, static, cache_size: int):
+    self.target, self.cache_size = target, cache_size
+    self._prefill_fn, self._loop_fn, self._static = prefill_fn, loop_fn, static
     self.compile_s = 0.0
-    self._prefill, self._decode = {}, None
+    self._prefill, self._loop = {}, None
 
   def _compiled_prefill(self, prompts, lens, keys):
-    shape = prompts.shape
-    if shape not in self._prefill:
+    if prompts.shape not in self._prefill:
       t = time.perf_counter()
-      fn = jax.jit(G.prefill, static_argnums=(1, 2, 6))
-      self._prefill[shape] = fn.lower(self.target.params, self.target.cfg, self.settings, prompts,
-                                      lens, keys, self.cache_size).compile()
+      fn = jax.jit(self._prefill_fn, static_argnums=(1, 2, 6))
+      self._prefill[prompts.shape] = fn.lower(self.target.params, self.target.cfg, self._static,
+                                              prompts, lens, keys, self.cache_size).compile()
       self.compile_s += time.perf_counter() - t
-    return self._prefill[shape]
+    return self._prefill[prompts.shape]
 
-  def _compiled_decode(self, state):
-    if self._decode is None:
+  def _compiled_loop(self, state):
+    if self._loop is None:
       t = time.perf_counter()
-      fn = jax.jit(G.decode_loop, static_argnums=(1, 2), donate_argnums=(3,))
-      self._decode = fn.lower(self.target.params, self.target.cfg, self.settings, state).compile()
+      fn = jax.jit(self._loop_fn, static_argnums=(1, 2), donate_argnums=(3,))
+      self._loop = fn.lower(self.target.params, self.target.cfg, self._static, state).compile()
       self.compile_s += time.perf_counter() - t
-    return self._decode
+    return self._loop
 
   def __call__(self, prompts_BxP, lens_B, keys_B):
     prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(self.target.params, prompts_BxP, lens_B, keys_B))
     t1 = time.perf_counter()
-    decode = self._compiled_decode(state)
-    t1 = time.perf_counter()  # compilation is not decode time
-    state = jax.block_until_ready(decode(self.target.params, state))
-    t2 = time.perf_counter()
-    return state, t1 - t0, t2 - t1
+    loop = self._compiled_loop(state)
+    t1b = time.perf_counter()  # compilation is not decode time
+    state = jax.block_until_ready(loop(self.target.params, state))
+    return state, t1 - t0, time.perf_counter() - t1b
+
+
+class ARRunner(Runner):
+
+  def __init__(self, target, settings: G.GenerationSettings, cache_size: int):
+    super().__init__(target, G.prefill, G.decode_loop, settings, cache_size)
+
+  @staticmethod
+  def outputs(state):
+    """(tokens [B, N], counts [B], forward passes in the loop, cycles [B] or None, hist or None)"""
+    out, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
+    return out, counts, int(steps), None, None
+
+
+class SpecRunner(Runner):
+
+  def __init__(self, target, settings: SP.SpecSettings, prompt_len: int):
+    super().__init__(target, SP.init_state, SP.spec_loop, settings,
+                     SP.cache_size_needed(prompt_len, settings))
+    self.settings = settings
+
+  def outputs(self, state):
+    out = SP.generated(state, self.settings.generation.max_new_tokens)
+    out, counts, steps, cycles, hist = jax.device_get(
+        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxK))
+    return out, counts, int(steps), cycles, hist
 
 
 def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
@@ -125,27 +157,35 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   settings = G.GenerationSettings(max_new_tokens=config.max_new_tokens, eos_ids=tok.eos_ids,
                                   pad_id=tok.pad_id, sampling=sampling_settings(config))
   # One cache size for the whole run (one decode program), just large enough for it.
-  cache_size = min(_round_up(_round_up(longest, PROMPT_BUCKET) + config.max_new_tokens,
-                             CACHE_BUCKET), max(limit, longest + config.max_new_tokens))
-  runner = ARRunner(target, settings, cache_size)
+  prompt_block = _round_up(longest, PROMPT_BUCKET)
+  if config.method == 'ar':
+    cache_size = min(_round_up(prompt_block + config.max_new_tokens, CACHE_BUCKET),
+                     max(limit, longest + config.max_new_tokens))
+    runner = ARRunner(target, settings, cache_size)
+  else:
+    spec = SP.SpecSettings(generation=settings, method=config.method, gamma=config.gamma,
+                           ngram_max=config.ngram_max)
+    runner = SpecRunner(target, spec, prompt_block)
 
-  results, prefill_s, decode_s, new_tokens, decode_tokens, decode_steps = [], 0., 0., 0, 0, 0
+  results, prefill_s, decode_s, new_tokens, decode_steps = [], 0.0, 0.0, 0, 0
+  cycles, hist = 0, None
   B = config.batch_size
   for start in range(0, len(prompts), B):
     rows = list(range(start, min(start + B, len(prompts))))
     # A short last batch is filled with copies of its first row (same program, outputs dropped).
     batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
     block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
-    block = block[:, :min(block.shape[1], cache_size)]
     keys = G.row_keys(config.seed, rows + [rows[0]] * (B - len(rows)))
     state, t_prefill, t_decode = runner(block, lens, keys)
     prefill_s, decode_s = prefill_s + t_prefill, decode_s + t_decode
-    out_ids, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
-    decode_steps += int(steps)
+    out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
+    decode_steps += steps
     for i, r in enumerate(rows):
       ids = [int(t) for t in out_ids[i, :counts[i]]]
       new_tokens += len(ids)
-      decode_tokens += len(ids) - 1  # the first token comes from the prefill
+      if row_cycles is not None:
+        cycles += int(row_cycles[i])
+        hist = row_hist[i] if hist is None else hist + row_hist[i]
       text = tok.decode([t for t in ids if t not in tok.eos_ids])
       results.append({'prompt': prompts[r], 'completion': text, 'completion_ids': ids})
       print(f'=== [{r}] {prompts[r]!r}\n{text}', file=out)
@@ -154,6 +194,7 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
     with open(config.output, 'w') as f:
       for row in results:
         f.write(json.dumps(row) + '\n')
+  decode_tokens = new_tokens - len(prompts)  # each row's first token comes from the prefill
   stats = {
       'method': config.method, 'target': config.target, 'prompts': len(prompts),
       'batch_size': B, 'new_tokens': new_tokens, 'compile_s': round(runner.compile_s, 3),
@@ -162,5 +203,10 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
       'decode_steps': decode_steps,
       'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
   }
+  if config.method != 'ar':
+    # tau: tokens committed per verification cycle, bonus included (AR would be 1).
+    stats.update(gamma=config.gamma, cycles=cycles,
+                 tau=round(decode_tokens / cycles, 3) if cycles else None,
+                 accepted_histogram=[int(h) for h in hist])
   print(json.dumps(stats), file=out)
   return stats

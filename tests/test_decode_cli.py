@@ -73,6 +73,14 @@ def test_prompts_file_batches_and_output(tiny_folder, tmp_path):
       assert stats[key] > 0
     results[batch_size] = [r['completion_ids'] for r in rows]
   assert results[1] == results[3]  # batching (with a padded last batch) changes nothing
+  # Prompt-lookup speculative decoding: same tokens as AR, plus its own stats.
+  stats, _ = run(config_for(tiny_folder, prompt='', prompts_file=str(prompts_file), batch_size=3,
+                            output=str(tmp_path / 'pld.jsonl'), chat=False, method='pld', gamma=4))
+  rows = [json.loads(line) for line in (tmp_path / 'pld.jsonl').read_text().splitlines()]
+  assert [r['completion_ids'] for r in rows] == results[1]
+  assert stats['method'] == 'pld' and stats['cycles'] > 0
+  assert stats['tau'] == pytest.approx((stats['new_tokens'] - 4) / stats['cycles'], abs=1e-3)
+  assert sum(stats['accepted_histogram']) == stats['cycles']
 
 
 def test_chat_template_is_applied(tiny_folder):
@@ -88,6 +96,7 @@ def test_chat_template_is_applied(tiny_folder):
     ({'prompt': 'x', 'prompts_file': 'p.jsonl'}, ValueError, 'exactly one of prompt'),
     ({'prompt': '', 'prompts_file': '/nonexistent.jsonl'}, FileNotFoundError, 'not found'),
     ({'method': 'magic'}, ValueError, 'method'),
+    ({'method': 'pld', 'gamma': 1}, ValueError, 'gamma'),
     ({'temperature': -0.5}, ValueError, 'temperature'),
     ({'top_p': 0.0}, ValueError, 'top_p'),
     ({'top_k': -1}, ValueError, 'top_k'),

@@ -231,3 +231,26 @@ def test_soft_q_for_an_argmax_draft_is_detected():
   exact += (1 - p[x]) * rest / rest.sum()
   np.testing.assert_allclose(exact, p)
   assert np.abs(biased - p).max() > 0.05
+
+
+def test_pld_on_smollm2_equals_reference_greedy(smollm2):
+  """Real prompts (plain and chat, one batch of 6 lengths): prompt-lookup decoding reproduces the
+  reference greedy tokens (transformers, float32) exactly like AR does."""
+  import json
+  import os
+  with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.json')) as f:
+    cases = json.load(f)['generation_cases']
+  tok = smollm2.tokenizer
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=tok.pad_id),
+                         gamma=6)
+  block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
+  keys = G.row_keys(0, range(len(cases)))
+  _, init, loop, _ = _jitted()
+  state = init(smollm2.params, smollm2.cfg, spec, block, lens, keys,
+               SP.cache_size_needed(block.shape[1], spec))
+  state = loop(smollm2.params, smollm2.cfg, spec, state)
+  out = SP.generated(state, 32)
+  for b, case in enumerate(cases):
+    n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 32)
+    assert out[b, :n].tolist() == case['greedy_ids'][:n], case['prompt']
+  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0
