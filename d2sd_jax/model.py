@@ -75,7 +75,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
   ks = iter(jax.random.split(key, 8 * L + 8))
   normal = lambda shape, s=scale: (s * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
   near_one = lambda shape: (1.0 + 0.1 * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
-  def layer():
+  def one_layer():
     lp = {
         'attn_norm': near_one((D,)),
         'mlp_norm': near_one((D,)),
@@ -91,7 +91,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
       lp['k_norm'] = near_one((hd,))
     return lp
 
-  layers = [layer() for _ in range(L)]
+  layers = [one_layer() for _ in range(L)]
   params = {'embed': normal((V, D), 1.0), 'final_norm': near_one((D,)), 'layers': layers}
   if not cfg.tie_embeddings:
     params['lm_head'] = normal((V, D), scale / D**0.5 * 4)
@@ -137,7 +137,7 @@ def _linear(x_BxTxI, w_OxI):
   return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI)
 
 
-def _write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
+def write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
   """cache[b, :, start_b:start_b+T] = new[b]: one in-place dynamic-update-slice per row.
 
   (A scatter here made XLA:CPU copy the layer's whole cache every step.) Callers keep
@@ -150,14 +150,13 @@ def _write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
   return cache_BxKxSxhd
 
 
-def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_mask_BxS,
-           tree_mask_BxTxT):
-  B, T, D = x_BxTxD.shape
+def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
+  """Queries [B, T, H, hd] and keys, values [B, T, KVH, hd] (RoPE applied) of normed inputs."""
+  B, T, D = h_BxTxD.shape
   KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
-  h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
   # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
   # transpose it every step.
-  qkv = _linear(h, lp['wqkv'].reshape(-1, D)).reshape(B, T, KVH, G + 2, hd)
+  qkv = _linear(h_BxTxD, lp['wqkv'].reshape(-1, D)).reshape(B, T, KVH, G + 2, hd)
   if cfg.qkv_bias:
     qkv = qkv + lp['bqkv']
   q_BxTxKxGxhd, k_BxTxKxhd, v_BxTxKxhd = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
@@ -165,7 +164,21 @@ def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_
     q_BxTxKxGxhd = rms_norm(q_BxTxKxGxhd, lp['q_norm'], cfg.norm_eps)
     k_BxTxKxhd = rms_norm(k_BxTxKxhd, lp['k_norm'], cfg.norm_eps)
   q_BxTxHxhd = rope(q_BxTxKxGxhd.reshape(B, T, KVH * G, hd), positions_BxT, cfg.rope_base)
-  k_BxTxKxhd = rope(k_BxTxKxhd, positions_BxT, cfg.rope_base)
+  return q_BxTxHxhd, rope(k_BxTxKxhd, positions_BxT, cfg.rope_base), v_BxTxKxhd
+
+
+def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
+          write_start_B=None):
+  """One transformer layer over T new tokens attending to [cached context ; each other].
+
+  ctx_mask: [B, S] (every new token sees the same context slots) or [B, T, S].
+  write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
+  the drafters, whose block tokens are never cached).
+  """
+  B, T, D = x_BxTxD.shape
+  KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
+  q_BxTxHxhd, k_BxTxKxhd, v_BxTxKxhd = qkv_projection(cfg, lp, h, positions_BxT)
 
   # Attention over [committed context in the cache ; the T new tokens], one softmax: the
   # context part reads the cache as it was, so the write below is the cache's only update and
@@ -180,23 +193,25 @@ def _layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, slots_start_B, ctx_
   scores_new_BxKxQxT = jnp.einsum('bkqh,bkth->bkqt', q_BxKxQxhd, f32(k_new_BxKxTxhd))
   S = scores_ctx_BxKxQxS.shape[-1]
   mask_new_Bx1xQxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, G, T, T))
+  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
+  ctx_mask_Bx1xQxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, G, T, S))
   mask_BxKxQxST = jnp.concatenate(
-      [jnp.broadcast_to(ctx_mask_BxS[:, None, None, :], (B, 1, G * T, S)),
-       mask_new_Bx1xQxT.reshape(B, 1, G * T, T)], axis=-1)
+      [ctx_mask_Bx1xQxS.reshape(B, 1, G * T, S), mask_new_Bx1xQxT.reshape(B, 1, G * T, T)],
+      axis=-1)
   scores = jnp.concatenate([scores_ctx_BxKxQxS, scores_new_BxKxQxT], axis=-1)
   probs = jax.nn.softmax(jnp.where(mask_BxKxQxST, scores, jnp.finfo(jnp.float32).min), axis=-1)
   attn_BxKxQxhd = (jnp.einsum('bkqs,bksh->bkqh', probs[..., :S], f32(kv['v'])) +
                    jnp.einsum('bkqt,bkth->bkqh', probs[..., S:], f32(v_new_BxKxTxhd)))
   attn_BxTxE = (attn_BxKxQxhd.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4)
                 .reshape(B, T, KVH * G * hd).astype(x_BxTxD.dtype))
-  # Order the write after the reads: XLA only updates the cache in place when the written value
-  # depends on what read the old cache (an optimization barrier is not enough); otherwise it
-  # copies the whole layer cache every step. `0 *` keeps the values (attention is finite).
-  after_reads_BxKxTxhd = 0.0 * attn_BxKxQxhd[:, :, :T].astype(k_new_BxKxTxhd.dtype)
-  k_new_BxKxTxhd = k_new_BxKxTxhd + after_reads_BxKxTxhd
-  v_new_BxKxTxhd = v_new_BxKxTxhd + after_reads_BxKxTxhd
-  new_kv = {'k': _write_rows(kv['k'], k_new_BxKxTxhd, slots_start_B),
-            'v': _write_rows(kv['v'], v_new_BxKxTxhd, slots_start_B)}
+  new_kv = kv
+  if write_start_B is not None:
+    # Order the write after the reads: XLA only updates the cache in place when the written
+    # value depends on what read the old cache (an optimization barrier is not enough);
+    # otherwise it copies the whole layer cache every step. `0 *` keeps the values.
+    after_reads_BxKxTxhd = 0.0 * attn_BxKxQxhd[:, :, :T].astype(k_new_BxKxTxhd.dtype)
+    new_kv = {'k': write_rows(kv['k'], k_new_BxKxTxhd + after_reads_BxKxTxhd, write_start_B),
+              'v': write_rows(kv['v'], v_new_BxKxTxhd + after_reads_BxKxTxhd, write_start_B)}
   x_BxTxD = x_BxTxD + _linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
@@ -236,8 +251,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   # weights makes XLA:CPU copy each layer's slice before its matmul.
   states, new_cache = [x_BxTxD], []
   for lp, kv in zip(params['layers'], cache):
-    x_BxTxD, kv = _layer(cfg, x_BxTxD, lp, kv, positions_BxT, cache_len_B, ctx_mask_BxS,
-                         tree_mask_BxTxT)
+    x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, ctx_mask_BxS, tree_mask_BxTxT,
+                        write_start_B=cache_len_B)
     new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None

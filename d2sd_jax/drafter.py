@@ -1,0 +1,173 @@
+"""The diffusion drafter (one architecture; drafter 1 and drafter 2 differ only in training).
+
+A block of gamma positions [anchor, t_1 .. t_l, MASK ...] is denoised in one bidirectional pass.
+The drafter is conditioned on the target: hidden states of `feature_layers` for the committed
+context are concatenated, projected (linear + RMSNorm) and turned into extra keys/values in every
+drafter layer, which the block attends to like a KV prefix (DFlash). Token embedding and LM head
+are the target's (frozen, not part of the drafter's parameters); the mask embedding is the
+drafter's own.
+
+Drafter parameters (a plain pytree):
+  fc [W, n_feat * D_target], fc_norm [W], mask_embed [D_target], final_norm [W],
+  layers: list of target-style layer dicts (see model.py), width W,
+  in_proj [W, D_target], out_proj [D_target, W]   (only when W != D_target)
+The context K/V cache has the target cache's layout: per layer {'k', 'v'}: [B, KVH, S, hd].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from d2sd_jax import model as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  gamma: int = 16  # block length: anchor + gamma-1 drafted positions
+  n_layers: int = 2
+  d_model: int = 576  # width W; a width other than the target's adds in/out projections
+  n_heads: int = 9
+  n_kv_heads: int = 3
+  head_dim: int = 64
+  d_ff: int = 1536
+  feature_layers: tuple[int, ...] = (1, 10, 20, 29)  # target hidden states, HF numbering
+  rope_base: float = 100000.0
+  norm_eps: float = 1e-5
+  dtype: str = 'float32'
+
+  def __post_init__(self):
+    if self.gamma < 2:
+      raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus one drafted token)')
+    if not self.feature_layers:
+      raise ValueError('feature_layers must name at least one target layer')
+
+  def layer_config(self, vocab_size: int) -> model_lib.ModelConfig:
+    return model_lib.ModelConfig(
+        vocab_size=vocab_size, d_model=self.d_model, n_layers=self.n_layers,
+        n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+        d_ff=self.d_ff, rope_base=self.rope_base, norm_eps=self.norm_eps, dtype=self.dtype)
+
+  def check_target(self, tcfg: model_lib.ModelConfig) -> None:
+    bad = [i for i in self.feature_layers if not 0 <= i <= tcfg.n_layers]
+    if bad:
+      raise ValueError(f'feature_layers {bad} outside the target\'s 0..{tcfg.n_layers} hidden '
+                       'states: pick layers the target has')
+
+
+def init_params(dcfg: DrafterConfig, tcfg: model_lib.ModelConfig, key: jax.Array) -> dict:
+  dcfg.check_target(tcfg)
+  lcfg = dcfg.layer_config(tcfg.vocab_size)
+  k_layers, k_fc, k_mask, k_in, k_out = jax.random.split(key, 5)
+  layers = model_lib.init_params(lcfg, k_layers, scale=0.1)['layers']
+  for lp in layers:  # start as a near-identity residual stack
+    lp['attn_norm'] = jnp.ones_like(lp['attn_norm'])
+    lp['mlp_norm'] = jnp.ones_like(lp['mlp_norm'])
+  W, Dt, F = dcfg.d_model, tcfg.d_model, len(dcfg.feature_layers) * tcfg.d_model
+  dt = lcfg.jnp_dtype
+  params = {
+      'fc': (jax.random.normal(k_fc, (W, F)) * F**-0.5).astype(dt),
+      'fc_norm': jnp.ones((W,), dt),
+      'mask_embed': (jax.random.normal(k_mask, (Dt,)) * 0.02).astype(dt),
+      'final_norm': jnp.ones((W,), dt),
+      'layers': layers,
+  }
+  if W != Dt:
+    params['in_proj'] = (jax.random.normal(k_in, (W, Dt)) * Dt**-0.5).astype(dt)
+    params['out_proj'] = (jax.random.normal(k_out, (Dt, W)) * W**-0.5).astype(dt)
+  return params
+
+
+def init_context_cache(dcfg: DrafterConfig, batch: int, max_len: int) -> model_lib.Cache:
+  return model_lib.init_cache(dcfg.layer_config(1), batch, max_len)
+
+
+def context_kv(dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN):
+  """Per-layer keys/values [B, KVH, N, hd] of context tokens from their target features."""
+  lcfg = dcfg.layer_config(1)
+  h_BxNxW = model_lib.rms_norm(
+      jnp.einsum('bnf,wf->bnw', features_BxNxF.astype(lcfg.jnp_dtype), dparams['fc']),
+      dparams['fc_norm'], dcfg.norm_eps)
+  out = []
+  for lp in dparams['layers']:
+    _, k, v = model_lib.qkv_projection(lcfg, lp, h_BxNxW, positions_BxN)
+    out.append({'k': k.transpose(0, 2, 1, 3), 'v': v.transpose(0, 2, 1, 3)})
+  return out
+
+
+def write_context(cache, dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN, start_B):
+  """Appends N context tokens (their target features) at slots start_B .. start_B+N-1."""
+  kvs = context_kv(dparams, dcfg, features_BxNxF, positions_BxN)
+  return [{'k': model_lib.write_rows(c['k'], kv['k'], start_B),
+           'v': model_lib.write_rows(c['v'], kv['v'], start_B)} for c, kv in zip(cache, kvs)]
+
+
+def features_of(hidden_features_BxNxLxD):
+  """Target features as the drafter takes them: the chosen layers concatenated."""
+  B, N, L, D = hidden_features_BxNxLxD.shape
+  return hidden_features_BxNxLxD.reshape(B, N, L * D)
+
+
+def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, tokens_BxQ,
+            is_mask_BxQ, positions_BxQ, ctx_cache, ctx_mask, block_mask_BxQxQ):
+  """Logits [B, Q, V] (float32) for Q block positions (one or several blocks side by side).
+
+  ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
+  block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
+  denoising is bidirectional).
+  """
+  lcfg = dcfg.layer_config(tcfg.vocab_size)
+  x_BxQxD = tparams['embed'][tokens_BxQ].astype(lcfg.jnp_dtype)
+  x_BxQxD = jnp.where(is_mask_BxQ[..., None], dparams['mask_embed'].astype(x_BxQxD.dtype), x_BxQxD)
+  if 'in_proj' in dparams:
+    x_BxQxD = jnp.einsum('bqd,wd->bqw', x_BxQxD, dparams['in_proj'])
+  for lp, kv in zip(dparams['layers'], ctx_cache):
+    x_BxQxD, _ = model_lib.layer(lcfg, x_BxQxD, lp, kv, positions_BxQ, ctx_mask, block_mask_BxQxQ)
+  h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
+  if 'out_proj' in dparams:
+    h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])
+  return model_lib.logits(tparams, tcfg, h.astype(tcfg.jnp_dtype))
+
+
+def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxG, is_mask_BxG, positions_BxG,
+            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence'):
+  """Fills the masked positions of one block per row in `steps` denoising passes.
+
+  steps=1: one parallel pass. steps>1: each pass commits the next ceil(M/steps) masked positions,
+  the most confident ones (`order='confidence'`) or the leftmost ones (`'left_to_right'`), and
+  the next pass sees them. Confidence-ordered drafts are exact only as point masses (the
+  verifier must treat them so); left-to-right ones come with their true conditionals.
+
+  Returns (tokens [B, G], confidence [B, G] = max prob when drafted (1 for given tokens),
+  probs [B, G, V] = the distribution each position was drafted from (one-hot for given tokens)).
+  """
+  if order not in ('confidence', 'left_to_right'):
+    raise ValueError(f"order={order!r}: use 'confidence' or 'left_to_right'")
+  if steps < 1:
+    raise ValueError(f'steps={steps} must be >= 1')
+  B, G = tokens_BxG.shape
+  block_mask = jnp.ones((B, G, G), bool)
+  V = tcfg.vocab_size
+  probs_out = jax.nn.one_hot(tokens_BxG, V, dtype=jnp.float32)
+  conf_out = jnp.ones((B, G), jnp.float32)
+  n_masked = jnp.sum(is_mask_BxG, axis=1)
+  per_step = -(-n_masked // steps)  # ceil, per row
+  tokens, is_mask = tokens_BxG, is_mask_BxG
+  for _ in range(steps):
+    logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxG, ctx_cache,
+                     ctx_mask_BxS, block_mask)
+    probs = jax.nn.softmax(logits, axis=-1)
+    conf, pred = jnp.max(probs, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if steps == 1:
+      pick = is_mask
+    else:
+      score = conf if order == 'confidence' else -jnp.arange(G, dtype=jnp.float32)[None]
+      score = jnp.where(is_mask, score, -jnp.inf)
+      rank = jnp.argsort(jnp.argsort(-score, axis=1), axis=1)  # 0 = best
+      pick = is_mask & (rank < per_step[:, None])
+    tokens = jnp.where(pick, pred, tokens)
+    conf_out = jnp.where(pick, conf, conf_out)
+    probs_out = jnp.where(pick[..., None], probs, probs_out)
+    is_mask = is_mask & ~pick
+  return tokens, conf_out, probs_out

@@ -1,0 +1,81 @@
+"""Drafter training objectives (DESIGN §3), many anchors per sequence in one pass.
+
+Every anchor position a of a sequence becomes one block [seq[a], seq[a+1..a+l], MASK ...] that
+attends to the target features of positions < a and, bidirectionally, to its own block. All
+blocks of a sequence go through the drafter side by side (block-diagonal mask), so one teacher
+pass over the sequence feeds A blocks. Labels are the sequence's own tokens, which in the
+distillation data are the target's greedy outputs.
+  drafter 1: l = 0, cross-entropy at positions 1..gamma-1, weights exp(-(k-1)/decay).
+  drafter 2 (VP): l ~ P(l=j) ∝ beta^j, j = 0..gamma-2; positions l+1..gamma-1 are masked and
+    weighted exp(-(k-l-1)/tau), normalised.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from d2sd_jax import drafter as drafter_lib
+
+
+def vp_prefix_prior(gamma: int, beta: float) -> jax.Array:
+  """P(l = j) ∝ beta^j for j = 0..gamma-2 (a truncated geometric)."""
+  w = beta ** jnp.arange(gamma - 1, dtype=jnp.float32)
+  return w / jnp.sum(w)
+
+
+def vp_weights(prefix_len_N: jax.Array, gamma: int, tau: float) -> jax.Array:
+  """[N, gamma]: exp(-(k-l-1)/tau) at masked positions k > l, 0 elsewhere; rows sum to 1."""
+  k = jnp.arange(gamma)[None]
+  l = prefix_len_N[:, None]
+  w = jnp.where(k > l, jnp.exp(-(k - l - 1) / tau), 0.0)
+  return w / jnp.sum(w, axis=1, keepdims=True)
+
+
+def block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, gamma: int):
+  """Block tokens/masks/positions [B, A*G] and labels [B, A*G] for anchors with given prefixes."""
+  B, L = seq_BxL.shape
+  A = anchors_BxA.shape[1]
+  k = jnp.arange(gamma)
+  pos_BxAxG = anchors_BxA[..., None] + k  # sequence positions of the block
+  tokens = jnp.take_along_axis(seq_BxL, jnp.clip(pos_BxAxG, 0, L - 1).reshape(B, -1), 1)
+  is_mask = (k > prefix_len_BxA[..., None]).reshape(B, A * gamma)
+  in_range = (pos_BxAxG < L).reshape(B, A * gamma)
+  return tokens, is_mask, pos_BxAxG.reshape(B, A * gamma), in_range
+
+
+def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, features_BxLxF,
+                 tokens_BxQ, is_mask_BxQ, positions_BxQ, anchors_BxA):
+  """Drafter logits for A blocks per sequence, each seeing the context before its anchor."""
+  B, L, _ = features_BxLxF.shape
+  A, G = anchors_BxA.shape[1], dcfg.gamma
+  ctx = drafter_lib.context_kv(dparams, dcfg, features_BxLxF,
+                               jnp.broadcast_to(jnp.arange(L), (B, L)))
+  block_of_q = jnp.repeat(jnp.arange(A), G)
+  ctx_mask_BxQxL = jnp.arange(L)[None, None, :] < jnp.repeat(anchors_BxA, G, axis=1)[..., None]
+  block_mask = jnp.broadcast_to(block_of_q[:, None] == block_of_q[None, :], (B, A * G, A * G))
+  return drafter_lib.forward(dparams, dcfg, tparams, tcfg, tokens_BxQ, is_mask_BxQ,
+                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask)
+
+
+def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
+                 features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG):
+  """Weighted cross-entropy at masked block positions whose label is a target output.
+
+  Returns (loss, metrics): metrics['acc_by_pos'] [G] is the top-1 agreement with the labels per
+  block position, ['count_by_pos'] how many labels it averaged."""
+  B, L = seq_BxL.shape
+  A, G = anchors_BxA.shape[1], dcfg.gamma
+  tokens, is_mask, positions, in_range = block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, G)
+  logits = block_logits(dparams, dcfg, tparams, tcfg, features_BxLxF, tokens, is_mask, positions,
+                        anchors_BxA)
+  label_ok = jnp.take_along_axis(label_mask_BxL, jnp.clip(positions, 0, L - 1), 1)
+  valid = is_mask & in_range & label_ok  # block tokens ARE the labels where masked
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+  w = weights_BxAxG.reshape(B, A * G) * valid
+  loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
+  hit = (jnp.argmax(logits, -1) == tokens) & valid
+  acc_by_pos = jnp.sum(hit.reshape(B * A, G), 0) / jnp.maximum(
+      jnp.sum(valid.reshape(B * A, G), 0), 1)
+  return loss, {'loss': loss, 'acc_by_pos': acc_by_pos,
+                'count_by_pos': jnp.sum(valid.reshape(B * A, G), 0)}

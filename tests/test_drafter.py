@@ -1,0 +1,167 @@
+"""Drafter model, denoising sampler and training losses on tiny configs."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from d2sd_jax import drafter as D
+from d2sd_jax import losses
+from d2sd_jax import model as M
+
+DCFG = D.DrafterConfig(gamma=4, n_layers=2, d_model=24, n_heads=4, n_kv_heads=2, head_dim=6,
+                       d_ff=40, feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)
+
+
+@pytest.fixture(scope='module')
+def setup(tiny):
+  tcfg, tparams = tiny
+  dparams = D.init_params(DCFG, tcfg, jax.random.PRNGKey(1))
+  seq = jax.random.randint(jax.random.PRNGKey(2), (2, 14), 0, tcfg.vocab_size)
+  _, _, feats = M.forward(tparams, tcfg, seq, jnp.broadcast_to(jnp.arange(14), (2, 14)),
+                          M.init_cache(tcfg, 2, 14), jnp.zeros((2,), jnp.int32),
+                          feature_layers=DCFG.feature_layers)
+  return tcfg, tparams, dparams, seq, D.features_of(feats)
+
+
+def decode_time_logits(setup, anchor, block_tokens, is_mask):
+  """One block at `anchor` through the decode-time path: a context cache of positions < anchor."""
+  tcfg, tparams, dparams, seq, feats = setup
+  B = seq.shape[0]
+  cache = D.init_context_cache(DCFG, B, 16)
+  cache = D.write_context(cache, dparams, DCFG, feats[:, :anchor],
+                          jnp.broadcast_to(jnp.arange(anchor), (B, anchor)), jnp.zeros(B, jnp.int32))
+  pos = jnp.broadcast_to(anchor + jnp.arange(DCFG.gamma), (B, DCFG.gamma))
+  ctx_mask = jnp.broadcast_to(jnp.arange(16) < anchor, (B, 16))
+  return D.forward(dparams, DCFG, tparams, tcfg, block_tokens, is_mask, pos, cache, ctx_mask,
+                   jnp.ones((B, DCFG.gamma, DCFG.gamma), bool))
+
+
+def test_masked_token_identities_do_not_matter(setup):
+  tcfg, _, _, seq, _ = setup
+  G = DCFG.gamma
+  block = seq[:, 5:5 + G]
+  is_mask = jnp.broadcast_to(jnp.arange(G) >= 2, (2, G))
+  other = jnp.where(is_mask, (block * 7 + 3) % tcfg.vocab_size, block)
+  np.testing.assert_allclose(decode_time_logits(setup, 5, block, is_mask),
+                             decode_time_logits(setup, 5, other, is_mask), rtol=1e-6, atol=1e-6)
+  # ...while the unmasked ones do.
+  changed = block.at[:, 1].set((block[:, 1] + 1) % tcfg.vocab_size)
+  assert not np.allclose(decode_time_logits(setup, 5, block, is_mask),
+                         decode_time_logits(setup, 5, changed, is_mask))
+
+
+def test_training_blocks_match_decode_time_blocks(setup):
+  """Many anchors side by side (training) = each block alone with a context cache (decoding)."""
+  tcfg, tparams, dparams, seq, feats = setup
+  G = DCFG.gamma
+  anchors = jnp.asarray([[3, 7, 1], [9, 2, 5]])
+  prefix = jnp.asarray([[0, 2, 1], [0, 0, 3]])
+  tokens, is_mask, pos, _ = losses.block_inputs(seq, anchors, prefix, G)
+  train_logits = losses.block_logits(dparams, DCFG, tparams, tcfg, feats, tokens, is_mask, pos,
+                                     anchors)
+  for b in range(2):
+    for i in range(3):
+      a = int(anchors[b, i])
+      sl = slice(i * G, (i + 1) * G)
+      ref = decode_time_logits(setup, a, jnp.broadcast_to(tokens[b, sl], (2, G)),
+                               jnp.broadcast_to(is_mask[b, sl], (2, G)))[b]
+      np.testing.assert_allclose(train_logits[b, sl], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_vp_prior_and_weights_follow_the_formulas():
+  gamma, beta, tau = 6, 0.7, 2.0
+  prior = np.asarray(losses.vp_prefix_prior(gamma, beta))
+  want = np.array([beta**j for j in range(gamma - 1)])
+  np.testing.assert_allclose(prior, want / want.sum(), rtol=1e-6)
+  w = np.asarray(losses.vp_weights(jnp.arange(gamma - 1), gamma, tau))
+  for l in range(gamma - 1):
+    raw = np.array([np.exp(-(k - l - 1) / tau) if k > l else 0.0 for k in range(gamma)])
+    np.testing.assert_allclose(w[l], raw / raw.sum(), rtol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _train_steps(dparams, tcfg, vp, tparams, seq, feats, key):
+  opt = optax.adamw(1e-2)
+  state = opt.init(dparams)
+  B, A, G = seq.shape[0], 4, DCFG.gamma
+
+  def batch(k):
+    ka, kl = jax.random.split(k)
+    anchors = jax.random.randint(ka, (B, A), 1, seq.shape[1] - 1)
+    if vp:
+      prefix = jax.random.choice(kl, G - 1, (B, A), p=losses.vp_prefix_prior(G, 0.6))
+      weights = losses.vp_weights(prefix.reshape(-1), G, 2.0).reshape(B, A, G)
+    else:
+      prefix = jnp.zeros((B, A), jnp.int32)
+      weights = jnp.broadcast_to(losses.vp_weights(jnp.zeros(1, jnp.int32), G, 3.0), (B, A, G))
+    return anchors, prefix, weights
+
+  def loss_fn(p, k):
+    anchors, prefix, weights = batch(k)
+    return losses.drafter_loss(p, DCFG, tparams, tcfg, seq, feats, jnp.ones(seq.shape, bool),
+                               anchors, prefix, weights)[0]
+
+  eval_key = jax.random.PRNGKey(99)
+  before = loss_fn(dparams, eval_key)
+
+  def step(carry, k):
+    p, s = carry
+    g = jax.grad(loss_fn)(p, k)
+    updates, s = opt.update(g, s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  (dparams, _), _ = jax.lax.scan(step, (dparams, state), jax.random.split(key, 40))
+  return before, loss_fn(dparams, eval_key)
+
+
+@pytest.mark.parametrize('vp', [False, True])
+def test_a_few_steps_lower_the_loss(setup, vp):
+  tcfg, tparams, dparams, seq, feats = setup
+  before, after = _train_steps(dparams, tcfg, vp, tparams, seq, feats, jax.random.PRNGKey(0))
+  assert float(after) < 0.8 * float(before)
+
+
+def test_denoise_one_pass_and_left_to_right(setup):
+  tcfg, tparams, dparams, seq, feats = setup
+  G, a = DCFG.gamma, 6
+  B = seq.shape[0]
+  cache = D.init_context_cache(DCFG, B, 16)
+  cache = D.write_context(cache, dparams, DCFG, feats[:, :a],
+                          jnp.broadcast_to(jnp.arange(a), (B, a)), jnp.zeros(B, jnp.int32))
+  ctx_mask = jnp.broadcast_to(jnp.arange(16) < a, (B, 16))
+  pos = jnp.broadcast_to(a + jnp.arange(G), (B, G))
+  block = jnp.zeros((B, G), jnp.int32).at[:, 0].set(seq[:, a])
+  is_mask = jnp.broadcast_to(jnp.arange(G) > 0, (B, G))
+  full = jnp.ones((B, G, G), bool)
+
+  toks, conf, probs = D.denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
+                                ctx_mask, steps=1)
+  logits = D.forward(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache, ctx_mask, full)
+  np.testing.assert_array_equal(toks[:, 1:], jnp.argmax(logits, -1)[:, 1:])
+  np.testing.assert_array_equal(toks[:, 0], seq[:, a])
+  np.testing.assert_allclose(conf[:, 1:], jnp.max(jax.nn.softmax(logits), -1)[:, 1:], rtol=1e-6)
+  assert np.all(np.asarray(conf[:, 0]) == 1.0)
+
+  # Left to right, one position per pass: each position is drafted after the previous ones.
+  toks, conf, probs = D.denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
+                                ctx_mask, steps=G - 1, order='left_to_right')
+  ref, ref_mask = block, is_mask
+  for k in range(1, G):
+    lg = D.forward(dparams, DCFG, tparams, tcfg, ref, ref_mask, pos, cache, ctx_mask, full)
+    np.testing.assert_allclose(probs[:, k], jax.nn.softmax(lg[:, k]), rtol=1e-5, atol=1e-6)
+    ref = ref.at[:, k].set(jnp.argmax(lg[:, k], -1))
+    ref_mask = ref_mask.at[:, k].set(False)
+  np.testing.assert_array_equal(toks, ref)
+
+
+def test_bad_drafter_configs(tiny):
+  tcfg, _ = tiny
+  with pytest.raises(ValueError, match='gamma'):
+    D.DrafterConfig(gamma=1)
+  with pytest.raises(ValueError, match='feature_layers'):
+    D.init_params(D.DrafterConfig(feature_layers=(0, 5)), tcfg, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match='steps'):
+    D.denoise(None, DCFG, None, tcfg, None, None, None, None, None, steps=0)
