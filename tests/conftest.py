@@ -1,7 +1,12 @@
 import functools
+import json
+import os
+import shutil
 
 import jax
 import pytest
+import tokenizers
+from tokenizers import decoders, models
 
 from d2sd_jax import loaders
 from d2sd_jax import model as model_lib
@@ -27,3 +32,21 @@ def _smollm2():
 def smollm2():
   """The real SmolLM2-135M-Instruct target (float32), loaded once per session."""
   return _smollm2()
+
+
+@pytest.fixture(scope='session')
+def tiny_folder(tmp_path_factory):
+  """The tiny Llama checkpoint fixture plus a character-level tokenizer, EOS id 95 and a chat
+  template: a complete Hugging Face folder (vocab 96)."""
+  folder = tmp_path_factory.mktemp('tiny') / 'llama'
+  shutil.copytree(os.path.join(os.path.dirname(__file__), 'fixtures', 'hf_tiny', 'llama'), folder)
+  chars = [chr(c) for c in range(32, 127)]  # 95 printable characters, then EOS = id 95
+  bpe = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+  bpe.add_special_tokens(['<eos>'])
+  bpe.decoder = decoders.Fuse()
+  bpe.save(str(folder / 'tokenizer.json'))
+  (folder / 'tokenizer_config.json').write_text(json.dumps(
+      {'eos_token': '<eos>', 'chat_template':
+       '{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}[assistant] '}))
+  (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 95}))
+  return str(folder)

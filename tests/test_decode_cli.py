@@ -2,13 +2,10 @@
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models
 
 from d2sd_jax import decoding
 from d2sd_jax import loaders
@@ -16,26 +13,6 @@ from d2sd_jax import loaders
 ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
-
-EOS = '<eos>'
-
-
-@pytest.fixture(scope='module')
-def tiny_folder(tmp_path_factory):
-  """The tiny Llama fixture plus a character-level tokenizer, EOS and a chat template."""
-  folder = tmp_path_factory.mktemp('tiny') / 'llama'
-  shutil.copytree(os.path.join(ROOT, 'tests', 'fixtures', 'hf_tiny', 'llama'), folder)
-  chars = [chr(c) for c in range(32, 127)]  # 95 printable characters, then EOS = id 95
-  bpe = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
-  bpe.add_special_tokens([EOS])
-  bpe.decoder = decoders.Fuse()
-  bpe.save(str(folder / 'tokenizer.json'))
-  (folder / 'tokenizer_config.json').write_text(json.dumps(
-      {'eos_token': EOS, 'chat_template':
-       '{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}[assistant] '}))
-  (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 95}))
-  return str(folder)
-
 
 def config_for(folder, **overrides):
   config = smollm2_config.get_config()

@@ -1,0 +1,51 @@
+"""Train drafter 1 (block diffusion) for the SmolLM2 target.
+
+  python train.py --config configs/drafter1.py [--config.train.steps=2000]
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.kind = 'drafter1'  # 'drafter1' (anchor + all masks) or 'drafter2' (variable prefix)
+  c.target = 'smollm2'  # the target the drafter learns (must match at decode time)
+  c.workdir = 'runs/drafter1'  # checkpoints/ and metrics.jsonl go here; rerun to resume
+
+  c.drafter = ml_collections.ConfigDict()
+  c.drafter.gamma = 16  # block length: anchor + gamma-1 drafted tokens
+  c.drafter.n_layers = 2  # transformer layers
+  c.drafter.d_model = 576  # width (576 = the target's: no in/out projections)
+  c.drafter.n_heads = 9
+  c.drafter.n_kv_heads = 3
+  c.drafter.head_dim = 64
+  c.drafter.d_ff = 1536
+  c.drafter.feature_layers = (1, 10, 20, 29)  # target hidden states fed to the drafter
+  c.drafter.rope_base = 100000.0
+  c.drafter.norm_eps = 1e-5
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = 'data/distill'  # shards from python -m d2sd_jax.distill (target responses)
+  c.data.seq_len = 320  # tokens per training window (prompt tail + response)
+  c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 4  # sequences per step
+  c.train.anchors_per_seq = 24  # blocks drawn per sequence (all in one drafter pass)
+  c.train.steps = 4000
+  c.train.lr = 1e-3  # peak AdamW learning rate (warmup, then cosine to 10 %)
+  c.train.warmup = 100
+  c.train.weight_decay = 0.01
+  c.train.clip = 1.0  # global gradient-norm clip
+  c.train.seed = 0
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.decay = 4.0  # drafter 1: position weights exp(-(k-1)/decay)
+  c.loss.beta = 0.8  # drafter 2: prefix-length prior P(l=j) ∝ beta^j
+  c.loss.tau = 4.0  # drafter 2: weights exp(-(k-l-1)/tau)
+
+  c.log_every = 10  # steps between metrics lines
+  c.eval_every = 250  # steps between held-out evaluations (0 = never)
+  c.save_every = 100  # steps between checkpoints
+  c.keep = 3  # checkpoints kept
+  c.progress_bar = True
+  return c

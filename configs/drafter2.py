@@ -1,0 +1,16 @@
+"""Train drafter 2 (the variable-prefix drafter) for the SmolLM2 target.
+
+  python train.py --config configs/drafter2.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import drafter1  # pylint: disable=wrong-import-position
+
+
+def get_config():
+  c = drafter1.get_config()
+  c.kind = 'drafter2'  # prefix length l ~ beta^l, loss over positions l+1.. weighted by tau
+  c.workdir = 'runs/drafter2'
+  return c

@@ -1,0 +1,239 @@
+"""What `train.py` runs: the optax loop that trains drafter 1 or drafter 2 (the VP drafter).
+
+The frozen target computes the context features inside the jitted step; anchors (and, for the
+VP drafter, prefix lengths) are drawn from fold_in(seed, step), and the batch of step t is a
+pure function of (seed, t): an interrupted run resumed from its checkpoint ends with exactly
+the parameters of an uninterrupted one. Checkpoints are Orbax (params, optimizer state, step)
+plus JSON metadata naming the target they were trained for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from d2sd_jax import data as data_lib
+from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import loaders
+from d2sd_jax import losses
+from d2sd_jax import model as model_lib
+
+KINDS = ('drafter1', 'drafter2')
+
+
+def target_fingerprint(target: loaders.Target) -> str:
+  """Architecture + a hash of some weights: a checkpoint for another target is refused."""
+  h = hashlib.sha256(json.dumps(_arch(target.cfg), sort_keys=True).encode())
+  for x in (target.params['embed'][:64], target.params['final_norm'],
+            target.params['layers'][-1]['w_down'][:8]):
+    h.update(np.asarray(x, np.float32).tobytes())
+  return h.hexdigest()[:16]
+
+
+def _arch(cfg: model_lib.ModelConfig) -> dict:
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
+
+
+def drafter_config(config) -> drafter_lib.DrafterConfig:
+  d = config.drafter
+  return drafter_lib.DrafterConfig(
+      gamma=d.gamma, n_layers=d.n_layers, d_model=d.d_model, n_heads=d.n_heads,
+      n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, d_ff=d.d_ff,
+      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps)
+
+
+def validate(config) -> None:
+  if config.kind not in KINDS:
+    raise ValueError(f'kind={config.kind!r} is not one of {KINDS}')
+  t = config.train
+  for name in ('batch_size', 'anchors_per_seq', 'steps'):
+    if t[name] < 1:
+      raise ValueError(f'train.{name}={t[name]} must be >= 1')
+  if config.data.seq_len <= config.drafter.gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
+                     f'{config.drafter.gamma}')
+  if not 0.0 < config.loss.beta < 1.0:
+    raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
+  if config.loss.tau <= 0 or config.loss.decay <= 0:
+    raise ValueError('loss.tau and loss.decay must be > 0')
+
+
+def optimizer(config):
+  t = config.train
+  schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, max(1, t.warmup), max(t.steps, 2),
+                                                end_value=t.lr * 0.1)
+  return optax.chain(optax.clip_by_global_norm(t.clip),
+                     optax.adamw(schedule, weight_decay=t.weight_decay))
+
+
+def sample_blocks(key, label_mask_BxL, config, gamma: int):
+  """Anchors at positions whose next token is a label (response region), + prefix lengths and
+  loss weights for this drafter kind."""
+  B, L = label_mask_BxL.shape
+  A = config.train.anchors_per_seq
+  k_anchor, k_prefix = jax.random.split(key)
+  ok = jnp.concatenate([label_mask_BxL[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
+  logits = jnp.where(ok, 0.0, -jnp.inf)
+  anchors = jax.random.categorical(k_anchor, logits[:, None, :], axis=-1, shape=(B, A))
+  if config.kind == 'drafter1':
+    prefix = jnp.zeros((B, A), jnp.int32)
+    weights = losses.vp_weights(jnp.zeros((1,), jnp.int32), gamma, config.loss.decay)
+    weights = jnp.broadcast_to(weights, (B, A, gamma))
+  else:
+    prior = losses.vp_prefix_prior(gamma, config.loss.beta)
+    prefix = jax.random.choice(k_prefix, gamma - 1, (B, A), p=prior).astype(jnp.int32)
+    weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau).reshape(B, A, gamma)
+  return anchors.astype(jnp.int32), prefix, weights
+
+
+def make_train_step(config, tcfg, dcfg, opt):
+
+  def loss_fn(dparams, tparams, tokens, label_mask, key):
+    B, L = tokens.shape
+    _, _, feats = model_lib.forward(tparams, tcfg, tokens, jnp.broadcast_to(jnp.arange(L), (B, L)),
+                                    model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
+                                    feature_layers=dcfg.feature_layers)
+    feats = jax.lax.stop_gradient(drafter_lib.features_of(feats))
+    anchors, prefix, weights = sample_blocks(key, label_mask, config, dcfg.gamma)
+    return losses.drafter_loss(dparams, dcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
+                               prefix, weights)
+
+  def train_step(dparams, opt_state, tparams, tokens, label_mask, key):
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(dparams, tparams, tokens,
+                                                                     label_mask, key)
+    updates, opt_state = opt.update(grads, opt_state, dparams)
+    metrics['grad_norm'] = optax.tree.norm(grads)
+    return optax.apply_updates(dparams, updates), opt_state, metrics
+
+  def eval_step(dparams, tparams, tokens, label_mask, key):
+    return loss_fn(dparams, tparams, tokens, label_mask, key)[1]
+
+  return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+
+
+def checkpoint_metadata(config, target, dcfg) -> dict:
+  return {'kind': config.kind, 'drafter': dataclasses.asdict(dcfg), 'target': config.target,
+          'target_arch': _arch(target.cfg), 'target_fingerprint': target_fingerprint(target)}
+
+
+def check_metadata(meta: dict, target, path: str) -> None:
+  if meta.get('target_fingerprint') != target_fingerprint(target):
+    raise ValueError(
+        f'checkpoint {path} was trained for target {meta.get("target")!r} '
+        f'(fingerprint {meta.get("target_fingerprint")}, architecture {meta.get("target_arch")}), '
+        f'not for this one (fingerprint {target_fingerprint(target)}): use a drafter trained for '
+        'this target, or train one with train.py')
+
+
+def restore(manager, step: int, abstract_state: dict, target):
+  """(params, opt_state) of checkpoint `step`, after checking it was made for this target."""
+  path = os.path.join(manager.directory, str(step))
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception as e:
+    raise ValueError(f'checkpoint {path} is unreadable ({type(e).__name__}: {e}); move it away '
+                     'to resume from the previous checkpoint, or start a new workdir') from e
+  check_metadata(meta, target, path)
+  try:
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))['state']
+  except Exception as e:
+    raise ValueError(f'checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); '
+                     'move it away to resume from the previous checkpoint') from e
+  return state['params'], state['opt_state']
+
+
+def run(config: ml_collections.ConfigDict) -> dict:
+  validate(config)
+  target = loaders.load_target(config.target, 'float32')
+  dcfg = drafter_config(config)
+  dcfg.check_target(target.cfg)
+  records = data_lib.read_records(config.data.path)
+  data = data_lib.SequenceData(records, config.data.seq_len, target.tokenizer.pad_id,
+                               config.data.eval_fraction)
+  opt = optimizer(config)
+  train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
+
+  workdir = os.path.abspath(config.workdir)
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, 'checkpoints'),
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep, create=True))
+  meta = checkpoint_metadata(config, target, dcfg)
+  dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
+  opt_state = opt.init(dparams)
+  start = 0
+  if manager.latest_step() is not None:
+    start = manager.latest_step()
+    dparams, opt_state = restore(manager, start, {'params': dparams, 'opt_state': opt_state},
+                                 target)
+    print(f'resumed from step {start}', flush=True)
+
+  def save(step):
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({'params': dparams, 'opt_state': opt_state}),
+        meta=ocp.args.JsonSave(meta)), force=True)
+
+  log_path = os.path.join(workdir, 'metrics.jsonl')
+  key0 = jax.random.PRNGKey(config.train.seed)
+  B, L = config.train.batch_size, config.data.seq_len
+  last = {}
+  t0, tokens_done = time.time(), 0
+  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
+             disable=not config.progress_bar)
+  for step in bar:
+    tokens, labels = data.batch(step, B, config.train.seed)
+    dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
+                                             jax.random.fold_in(key0, step))
+    tokens_done += B * L
+    if (step + 1) % config.log_every == 0 or step + 1 == config.train.steps:
+      metrics = jax.device_get(metrics)
+      loss = float(metrics['loss'])
+      if not math.isfinite(loss):
+        raise FloatingPointError(
+            f'loss is {loss} at step {step + 1}: lower train.lr or raise train.warmup; the last '
+            f'good checkpoint is step {manager.latest_step()} in {manager.directory}')
+      last = {'step': step + 1, 'loss': loss, 'grad_norm': float(metrics['grad_norm']),
+              'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
+              'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
+      bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
+      with open(log_path, 'a') as f:
+        f.write(json.dumps(last) + '\n')
+    if config.eval_every and (step + 1) % config.eval_every == 0 and data.size('eval'):
+      last['eval'] = evaluate(eval_step, dparams, target, data, config, key0)
+      with open(log_path, 'a') as f:
+        f.write(json.dumps({'step': step + 1, 'eval': last['eval']}) + '\n')
+    if (step + 1) % config.save_every == 0 or step + 1 == config.train.steps:
+      save(step + 1)
+  manager.wait_until_finished()
+  last['params'] = dparams
+  return last
+
+
+def evaluate(eval_step, dparams, target, data, config, key0) -> dict:
+  """Held-out loss, per-position agreement and the acceptance length it implies for one chain
+  (tau ≈ 1 + sum_k prod_{j<=k} acc_j, treating positions as independent)."""
+  B = config.train.batch_size
+  n = max(1, data.size('eval') // B)
+  acc_sum, cnt_sum, loss_sum = 0, 0, 0.0
+  for i in range(n):
+    tokens, labels = data.batch(i, B, 0, split='eval')
+    m = jax.device_get(eval_step(dparams, target.params, tokens, labels,
+                                 jax.random.fold_in(key0, 10**9 + i)))
+    acc_sum = acc_sum + m['acc_by_pos'] * m['count_by_pos']
+    cnt_sum = cnt_sum + m['count_by_pos']
+    loss_sum += float(m['loss'])
+  acc = acc_sum / np.maximum(cnt_sum, 1)
+  tau = 1.0 + float(np.sum(np.cumprod(acc[1:])))
+  return {'loss': loss_sum / n, 'acc_by_pos': [round(float(a), 4) for a in acc],
+          'tau_estimate': round(tau, 3)}

@@ -1,0 +1,105 @@
+"""train.py on tiny configs: loss goes down, exact resume, target mismatch and damaged checkpoints."""
+import gzip
+import json
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from d2sd_jax import training
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(ROOT, 'configs'))
+import drafter1 as drafter1_config  # pylint: disable=wrong-import-position
+
+
+@pytest.fixture(scope='module')
+def distill_dir(tmp_path_factory):
+  """Fake distillation shards: repetitive responses a drafter can learn quickly."""
+  path = tmp_path_factory.mktemp('distill')
+  rng = np.random.default_rng(0)
+  for shard in range(2):
+    lines = []
+    for i in range(12):
+      motif = rng.integers(0, 90, 5).tolist()
+      lines.append(json.dumps({'id': f'{shard}-{i}', 'prompt_ids': rng.integers(0, 90, 9).tolist(),
+                               'response_ids': (motif * 8)[:30 + i]}))
+    with gzip.open(path / f'shard-{shard:05d}.jsonl.gz', 'wt') as f:
+      f.write('\n'.join(lines) + '\n')
+  return str(path)
+
+
+def tiny_config(target, data, workdir, kind='drafter1', steps=6):
+  c = drafter1_config.get_config()
+  c.kind, c.target, c.workdir = kind, target, workdir
+  c.drafter.update(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                   feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)
+  c.data.update(path=data, seq_len=24, eval_fraction=0.2)
+  c.train.update(batch_size=3, anchors_per_seq=6, steps=steps, lr=1e-2, warmup=2)
+  c.update(log_every=1, eval_every=3, save_every=3, keep=5, progress_bar=False)
+  return c
+
+
+@pytest.mark.parametrize('kind', ['drafter1', 'drafter2'])
+def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
+  out = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / kind), kind, steps=30))
+  lines = [json.loads(l) for l in open(tmp_path / kind / 'metrics.jsonl')]
+  losses = [l['loss'] for l in lines if 'loss' in l]
+  assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5])
+  assert out['eval']['tau_estimate'] >= 1.0
+  assert out['tokens_per_s'] > 0
+
+
+def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path):
+  whole = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'a'), steps=6))
+  training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=3))
+  resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=6))
+  for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_checkpoint_of_another_target_is_refused(tiny_folder, distill_dir, tmp_path):
+  workdir = str(tmp_path / 'run')
+  training.run(tiny_config(tiny_folder, distill_dir, workdir, steps=3))
+  other = tmp_path / 'other'
+  shutil.copytree(tiny_folder, other)
+  cfg = json.loads((other / 'config.json').read_text())
+  (other / 'config.json').write_text(json.dumps({**cfg, 'rope_theta': 1234.0,
+                                                 'rope_parameters': None}))
+  with pytest.raises(ValueError, match='was trained for target'):
+    training.run(tiny_config(str(other), distill_dir, workdir, steps=6))
+
+
+def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill_dir, tmp_path):
+  workdir = tmp_path / 'run'
+  training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=6))
+  ckpts = workdir / 'checkpoints'
+  assert sorted(os.listdir(ckpts)) == ['3', '6']
+  # Damage step 6: truncate every file of its parameter state.
+  for root, _, files in os.walk(ckpts / '6' / 'state'):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, 'r+b') as f:
+        f.truncate(max(0, os.path.getsize(path) // 3))
+  with pytest.raises(ValueError, match='corrupt or incomplete|unreadable'):
+    training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=9))
+  assert sorted(os.listdir(ckpts)) == ['3', '6']  # nothing deleted or overwritten
+  # Moving the damaged one away resumes from step 3.
+  shutil.move(str(ckpts / '6'), str(tmp_path / 'damaged-6'))
+  out = training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=9))
+  assert out['step'] == 9
+
+
+def test_bad_training_configs(tiny_folder, distill_dir, tmp_path):
+  with pytest.raises(ValueError, match='kind'):
+    training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path), kind='drafter3'))
+  c = tiny_config(tiny_folder, distill_dir, str(tmp_path))
+  c.data.seq_len = 4
+  with pytest.raises(ValueError, match='seq_len'):
+    training.run(c)
+  c = tiny_config(tiny_folder, str(tmp_path / 'nothing-here'), str(tmp_path))
+  with pytest.raises(FileNotFoundError, match='d2sd_jax.distill'):
+    training.run(c)

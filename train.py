@@ -1,0 +1,16 @@
+"""Train a drafter: python train.py --config configs/drafter1.py [--config.x=y]."""
+from absl import app
+from ml_collections import config_flags
+
+from d2sd_jax import training
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'training config file', lock_config=True)
+
+
+def main(argv):
+  del argv
+  training.run(_CONFIG.value)
+
+
+if __name__ == '__main__':
+  app.run(main)
