@@ -1,5 +1,6 @@
 """Train a drafter: python train.py --config configs/drafter1.py [--config.x=y]."""
 from absl import app
+from absl import logging
 from ml_collections import config_flags
 
 from d2sd_jax import training
@@ -9,6 +10,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'training config file'
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   training.run(_CONFIG.value)
 
 

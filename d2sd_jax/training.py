@@ -71,8 +71,8 @@ def validate(config) -> None:
 
 def optimizer(config):
   t = config.train
-  schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, max(1, t.warmup), max(t.steps, 2),
-                                                end_value=t.lr * 0.1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, t.lr, max(1, t.warmup), max(t.steps, t.warmup + 1), end_value=t.lr * 0.1)
   return optax.chain(optax.clip_by_global_norm(t.clip),
                      optax.adamw(schedule, weight_decay=t.weight_decay))
 
