@@ -78,8 +78,8 @@ class Runner:
   method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the results.
   """
 
-  def __init__(self, target: loaders.Target, prefill_fn, loop_fn, static, cache_size: int):
-    self.target, self.cache_size = target, cache_size
+  def __init__(self, params, cfg, prefill_fn, loop_fn, static, cache_size: int):
+    self.params, self.cfg, self.cache_size = params, cfg, cache_size
     self._prefill_fn, self._loop_fn, self._static = prefill_fn, loop_fn, static
     self.compile_s = 0.0
     self._prefill, self._loop = {}, None
@@ -88,8 +88,8 @@ class Runner:
     if prompts.shape not in self._prefill:
       t = time.perf_counter()
       fn = jax.jit(self._prefill_fn, static_argnums=(1, 2, 6))
-      self._prefill[prompts.shape] = fn.lower(self.target.params, self.target.cfg, self._static,
-                                              prompts, lens, keys, self.cache_size).compile()
+      self._prefill[prompts.shape] = fn.lower(self.params, self.cfg, self._static, prompts, lens,
+                                              keys, self.cache_size).compile()
       self.compile_s += time.perf_counter() - t
     return self._prefill[prompts.shape]
 
@@ -97,25 +97,25 @@ class Runner:
     if self._loop is None:
       t = time.perf_counter()
       fn = jax.jit(self._loop_fn, static_argnums=(1, 2), donate_argnums=(3,))
-      self._loop = fn.lower(self.target.params, self.target.cfg, self._static, state).compile()
+      self._loop = fn.lower(self.params, self.cfg, self._static, state).compile()
       self.compile_s += time.perf_counter() - t
     return self._loop
 
   def __call__(self, prompts_BxP, lens_B, keys_B):
     prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
     t0 = time.perf_counter()
-    state = jax.block_until_ready(prefill(self.target.params, prompts_BxP, lens_B, keys_B))
+    state = jax.block_until_ready(prefill(self.params, prompts_BxP, lens_B, keys_B))
     t1 = time.perf_counter()
     loop = self._compiled_loop(state)
     t1b = time.perf_counter()  # compilation is not decode time
-    state = jax.block_until_ready(loop(self.target.params, state))
+    state = jax.block_until_ready(loop(self.params, state))
     return state, t1 - t0, time.perf_counter() - t1b
 
 
 class ARRunner(Runner):
 
   def __init__(self, target, settings: G.GenerationSettings, cache_size: int):
-    super().__init__(target, G.prefill, G.decode_loop, settings, cache_size)
+    super().__init__(target.params, target.cfg, G.prefill, G.decode_loop, settings, cache_size)
 
   @staticmethod
   def outputs(state):
@@ -126,8 +126,8 @@ class ARRunner(Runner):
 
 class SpecRunner(Runner):
 
-  def __init__(self, target, settings: SP.SpecSettings, prompt_len: int):
-    super().__init__(target, SP.init_state, SP.spec_loop, settings,
+  def __init__(self, params: dict, cfg, settings: SP.SpecSettings, prompt_len: int):
+    super().__init__(params, cfg, SP.init_state, SP.spec_loop, settings,
                      SP.cache_size_needed(prompt_len, settings))
     self.settings = settings
 
@@ -165,7 +165,7 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   else:
     spec = SP.SpecSettings(generation=settings, method=config.method, gamma=config.gamma,
                            ngram_max=config.ngram_max)
-    runner = SpecRunner(target, spec, prompt_block)
+    runner = SpecRunner({'target': target.params}, target.cfg, spec, prompt_block)
 
   results, prefill_s, decode_s, new_tokens, decode_steps = [], 0.0, 0.0, 0, 0
   cycles, hist = 0, None

@@ -130,42 +130,48 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   return model_lib.logits(tparams, tcfg, h.astype(tcfg.jnp_dtype))
 
 
-def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxG, is_mask_BxG, positions_BxG,
+def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,
             ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence'):
-  """Fills the masked positions of one block per row in `steps` denoising passes.
+  """Fills the masked positions of Q / gamma blocks per row (side by side, each bidirectional
+  within itself, all seeing the same context) in `steps` denoising passes.
 
-  steps=1: one parallel pass. steps>1: each pass commits the next ceil(M/steps) masked positions,
-  the most confident ones (`order='confidence'`) or the leftmost ones (`'left_to_right'`), and
-  the next pass sees them. Confidence-ordered drafts are exact only as point masses (the
-  verifier must treat them so); left-to-right ones come with their true conditionals.
+  steps=1: one parallel pass. steps>1: each pass commits, in every block, the next ceil(M/steps)
+  of its M masked positions, the most confident ones (`order='confidence'`) or the leftmost ones
+  (`'left_to_right'`), and the next pass sees them. Confidence-ordered drafts are exact only as
+  point masses (the verifier must treat them so); left-to-right ones come with their true
+  conditionals.
 
-  Returns (tokens [B, G], confidence [B, G] = max prob when drafted (1 for given tokens),
-  probs [B, G, V] = the distribution each position was drafted from (one-hot for given tokens)).
+  Returns (tokens [B, Q], confidence [B, Q] = max prob when drafted (1 for given tokens),
+  probs [B, Q, V] = the distribution each position was drafted from (one-hot for given tokens)).
   """
   if order not in ('confidence', 'left_to_right'):
     raise ValueError(f"order={order!r}: use 'confidence' or 'left_to_right'")
   if steps < 1:
     raise ValueError(f'steps={steps} must be >= 1')
-  B, G = tokens_BxG.shape
-  block_mask = jnp.ones((B, G, G), bool)
+  B, Q = tokens_BxQ.shape
+  G = dcfg.gamma
+  if Q % G:
+    raise ValueError(f'{Q} block positions are not a whole number of gamma={G} blocks')
+  nb = Q // G
+  block_of = jnp.repeat(jnp.arange(nb), G)
+  block_mask = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (B, Q, Q))
   V = tcfg.vocab_size
-  probs_out = jax.nn.one_hot(tokens_BxG, V, dtype=jnp.float32)
-  conf_out = jnp.ones((B, G), jnp.float32)
-  n_masked = jnp.sum(is_mask_BxG, axis=1)
-  per_step = -(-n_masked // steps)  # ceil, per row
-  tokens, is_mask = tokens_BxG, is_mask_BxG
+  probs_out = jax.nn.one_hot(tokens_BxQ, V, dtype=jnp.float32)
+  conf_out = jnp.ones((B, Q), jnp.float32)
+  per_step = -(-jnp.sum(is_mask_BxQ.reshape(B, nb, G), axis=2) // steps)  # [B, nb], ceil
+  tokens, is_mask = tokens_BxQ, is_mask_BxQ
   for _ in range(steps):
-    logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxG, ctx_cache,
+    logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
                      ctx_mask_BxS, block_mask)
     probs = jax.nn.softmax(logits, axis=-1)
     conf, pred = jnp.max(probs, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if steps == 1:
       pick = is_mask
     else:
-      score = conf if order == 'confidence' else -jnp.arange(G, dtype=jnp.float32)[None]
-      score = jnp.where(is_mask, score, -jnp.inf)
-      rank = jnp.argsort(jnp.argsort(-score, axis=1), axis=1)  # 0 = best
-      pick = is_mask & (rank < per_step[:, None])
+      score = conf if order == 'confidence' else -jnp.tile(jnp.arange(G, dtype=jnp.float32), nb)
+      score = jnp.where(is_mask, jnp.broadcast_to(score, (B, Q)), -jnp.inf).reshape(B, nb, G)
+      rank = jnp.argsort(jnp.argsort(-score, axis=2), axis=2)  # 0 = best, within each block
+      pick = is_mask & (rank < per_step[..., None]).reshape(B, Q)
     tokens = jnp.where(pick, pred, tokens)
     conf_out = jnp.where(pick, conf, conf_out)
     probs_out = jnp.where(pick[..., None], probs, probs_out)

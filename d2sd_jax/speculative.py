@@ -3,9 +3,12 @@ accept -> commit (cache compaction), repeated inside one `lax.while_loop`.
 
 The state keeps, per row, the committed sequence (prompt + generated), the target KV cache
 holding all committed tokens but the newest (the anchor of the next cycle), and counters.
-Drafters are functions `state -> Tree`; this file has the training-free prompt-lookup drafter
-(`pld`). The invariant checked by the tests: after every cycle the cache equals a fresh
-prefill of the committed tokens, and the output equals AR decoding.
+Drafting methods (drafting.py) turn the state into a candidate tree. `params` is a bundle
+{'target': ..., 'drafter1': ..., 'drafter2': ...} (drafters only where the method needs them);
+the drafters' context caches hold the target features of exactly the committed tokens, updated
+with the accepted path's features from the verification pass. The invariants the tests check:
+after every cycle the caches equal a fresh prefill of the committed tokens, and the output
+equals AR decoding.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import drafting
 from d2sd_jax import generate as generate_lib
 from d2sd_jax import model as model_lib
-from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import tree as tree_lib
 
 
@@ -27,23 +31,53 @@ class SpecSettings:
   generation: generate_lib.GenerationSettings
   method: str = 'pld'
   gamma: int = 8  # block length: the anchor + gamma-1 draft tokens per chain
-  ngram_max: int = 3  # prompt lookup: longest n-gram matched (falls back to shorter ones)
+  ngram_max: int = 3  # pld: longest n-gram matched (falls back to shorter ones)
+  drafter1: drafter_lib.DrafterConfig | None = None
+  drafter2: drafter_lib.DrafterConfig | None = None
+  n_branches: int = 4  # K: branches re-drafted from drafter 1's likely rejection points
+  steps: int = 1  # diffusion effort: denoising passes per drafted block
+  order: str = 'confidence'  # multi-step unmasking order ('confidence' or 'left_to_right')
+  tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
 
   def __post_init__(self):
-    if self.method not in DRAFTERS:
-      raise ValueError(f'speculative method {self.method!r} is not one of {tuple(DRAFTERS)}')
+    if self.method not in drafting.METHODS:
+      raise ValueError(f'method {self.method!r} is not one of {tuple(drafting.METHODS)}')
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus at least one draft)')
     if self.ngram_max < 1:
       raise ValueError(f'ngram_max={self.ngram_max} must be >= 1')
+    for name in drafting.NEEDS[self.method]:
+      dcfg = getattr(self, name)
+      if dcfg is None:
+        raise ValueError(f'method {self.method!r} needs {name}: configure its checkpoint')
+      if dcfg.gamma != self.gamma:
+        raise ValueError(f'{name} was built for gamma={dcfg.gamma}, the decode config says '
+                         f'gamma={self.gamma}: set gamma={dcfg.gamma}')
+    if self.method in drafting.BRANCHED and not 1 <= self.n_branches <= self.gamma - 1:
+      raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
+    if self.tree_budget and self.tree_budget < self.gamma:
+      raise ValueError(f'tree_budget={self.tree_budget} must be 0 (no limit) or >= gamma='
+                       f'{self.gamma} (the drafter-1 chain always fits)')
+
+  @property
+  def drafters(self) -> tuple[str, ...]:
+    return drafting.NEEDS[self.method]
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """Target hidden states any drafter of this method reads."""
+    return tuple(sorted({i for n in self.drafters for i in getattr(self, n).feature_layers}))
 
   @property
   def tree_size(self) -> int:
-    return self.gamma  # anchor + gamma-1 chain nodes
+    """Nodes verified per cycle, the anchor included."""
+    full = self.gamma + (self.n_branches * (self.gamma - 1)
+                         if self.method in drafting.BRANCHED else 0)
+    return min(full, self.tree_budget) if self.tree_budget else full
 
   @property
   def max_commit(self) -> int:
-    return self.tree_size  # accepted draft tokens + the bonus token
+    return self.gamma  # at most gamma-1 accepted draft tokens + the bonus token
 
 
 @flax.struct.dataclass
@@ -59,6 +93,7 @@ class SpecState:
   cycles_B: jax.Array  # verification cycles run while the row was live
   accepted_hist_BxK: jax.Array  # per row: how many cycles accepted k draft tokens
   steps: jax.Array  # loop iterations
+  draft_caches: dict  # drafter name -> context K/V cache (committed tokens' target features)
 
   @property
   def anchor_B(self):
@@ -74,75 +109,61 @@ def cache_size_needed(prompt_len: int, settings: SpecSettings) -> int:
   return prompt_len + settings.generation.max_new_tokens + settings.tree_size
 
 
+def _select_features(features_BxTxNxD, settings: SpecSettings, name: str):
+  """The drafter's own feature layers, out of the union computed by the target pass."""
+  idx = [settings.feature_layers.index(i) for i in getattr(settings, name).feature_layers]
+  return drafter_lib.features_of(features_BxTxNxD[:, :, jnp.asarray(idx)])
+
+
+def _write_drafter_context(params, settings, caches, features_BxTxNxD, positions_BxT, start_B):
+  return {name: drafter_lib.write_context(
+      caches[name], params[name], getattr(settings, name),
+      _select_features(features_BxTxNxD, settings, name), positions_BxT, start_B)
+          for name in settings.drafters}
+
+
 def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, prompt_BxP,
                prompt_len_B, row_key_B, cache_size: int) -> SpecState:
-  """Prefill the prompts and commit each row's first token (sampled from the prefill logits)."""
-  ar = generate_lib.prefill(params, cfg, settings.generation, prompt_BxP, prompt_len_B, row_key_B,
-                            cache_size)
+  """Prefill the prompts (target cache and drafter contexts) and commit each row's first token."""
+  gen = settings.generation
   B, P = prompt_BxP.shape
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  hidden, cache, feats = model_lib.forward(
+      params['target'], cfg, prompt_BxP, positions, model_lib.init_cache(cfg, B, cache_size),
+      jnp.zeros((B,), jnp.int32), feature_layers=settings.feature_layers)
+  last = jnp.take_along_axis(hidden, (prompt_len_B - 1)[:, None, None], axis=1)
+  first_B = generate_lib.sample_rows(model_lib.logits(params['target'], cfg, last)[:, 0],
+                                     row_key_B, jnp.zeros((B,), jnp.int32), gen.sampling)
+  caches = {name: drafter_lib.init_context_cache(getattr(settings, name), B, cache_size)
+            for name in settings.drafters}
+  caches = _write_drafter_context(params, settings, caches, feats, positions,
+                                  jnp.zeros((B,), jnp.int32))
   L = seq_buffer_len(P, settings)
-  rows = jnp.arange(B)
-  seq = jnp.full((B, L), settings.generation.pad_id, jnp.int32).at[:, :P].set(prompt_BxP)
-  seq = jnp.where(jnp.arange(L)[None] < prompt_len_B[:, None], seq, settings.generation.pad_id)
-  seq = seq.at[rows, prompt_len_B].set(ar.last_token_B)
-  return SpecState(cache=ar.cache, cache_len_B=prompt_len_B, seq_BxL=seq,
-                   seq_len_B=prompt_len_B + 1, prompt_len_B=prompt_len_B, num_out_B=ar.num_out_B,
-                   done_B=ar.done_B, row_key_B=row_key_B, cycles_B=jnp.zeros((B,), jnp.int32),
+  seq = jnp.full((B, L), gen.pad_id, jnp.int32).at[:, :P].set(prompt_BxP)
+  seq = jnp.where(jnp.arange(L)[None] < prompt_len_B[:, None], seq, gen.pad_id)
+  seq = seq.at[jnp.arange(B), prompt_len_B].set(first_B)
+  done = generate_lib.is_eos(first_B, gen.eos_ids) | (gen.max_new_tokens <= 1)
+  return SpecState(cache=cache, cache_len_B=prompt_len_B, seq_BxL=seq,
+                   seq_len_B=prompt_len_B + 1, prompt_len_B=prompt_len_B,
+                   num_out_B=jnp.ones((B,), jnp.int32), done_B=done, row_key_B=row_key_B,
+                   cycles_B=jnp.zeros((B,), jnp.int32),
                    accepted_hist_BxK=jnp.zeros((B, settings.max_commit), jnp.int32),
-                   steps=jnp.zeros((), jnp.int32))
-
-
-# ----------------------------------------------------------------------------------------------
-# Drafters
-
-
-def pld_draft(state: SpecState, settings: SpecSettings) -> tree_lib.Tree:
-  """Prompt lookup: find an earlier occurrence of the last n committed tokens (the longest n up to
-  ngram_max that occurs) and propose the gamma-1 tokens that followed it."""
-  B, L = state.seq_BxL.shape
-  N = settings.gamma - 1
-  seq, seq_len = state.seq_BxL, state.seq_len_B
-  pos = jnp.arange(L)
-  best_start = jnp.full((B,), -1, jnp.int32)  # where the proposal starts in seq
-  for n in range(1, settings.ngram_max + 1):  # longer n overrides shorter ones
-    tail = jnp.stack([jnp.take_along_axis(seq, (seq_len - n + k)[:, None], 1)[:, 0]
-                      for k in range(n)], 1)  # [B, n]
-    ok = jnp.ones((B, L), bool)
-    for k in range(n):
-      shifted = jnp.roll(seq, -k, axis=1)  # shifted[j] = seq[j + k]
-      ok &= shifted == tail[:, k:k + 1]
-    # The match must end before the tail itself starts: j + n <= seq_len - 1, i.e. a following
-    # token exists and the match is not the tail.
-    ok &= (pos[None] + n <= (seq_len - 1)[:, None]) & (seq_len[:, None] > n)
-    # Among matches, the latest one whose continuation is longest (up to gamma-1 tokens): the
-    # very latest match of a repetition often has almost nothing after it yet.
-    follow = jnp.clip(seq_len[:, None] - (pos[None] + n), 0, N)
-    score = jnp.where(ok, follow * L + pos[None], -1)
-    found = jnp.max(score, axis=1) >= 0
-    best_start = jnp.where(found, jnp.argmax(score, axis=1) + n, best_start)
-  idx = best_start[:, None] + jnp.arange(N)[None]
-  draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
-  valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
-  return tree_lib.chain(state.anchor_B, draft, valid)
-
-
-DRAFTERS = {'pld': pld_draft}
+                   steps=jnp.zeros((), jnp.int32), draft_caches=caches)
 
 
 # ----------------------------------------------------------------------------------------------
 # Verification, acceptance, commit
 
 
-def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxD) -> model_lib.Cache:
+def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int):
   """Moves the K/V of the accepted path's nodes (written at cache_len + node index by the
   verification pass) to consecutive slots cache_len + depth."""
-  D = path_BxD.shape[1]
 
   def layer(buf_BxKxSxhd):
     B, K, _, hd = buf_BxKxSxhd.shape
     for b in range(B):  # one small gather + in-place write per row
-      window = jax.lax.dynamic_slice(buf_BxKxSxhd[b], (0, cache_len_B[b], 0), (K, D, hd))
-      moved = jnp.take(window, path_BxD[b], axis=1)
+      window = jax.lax.dynamic_slice(buf_BxKxSxhd[b], (0, cache_len_B[b], 0), (K, tree_size, hd))
+      moved = jnp.take(window, path_BxC[b], axis=1)
       buf_BxKxSxhd = jax.lax.dynamic_update_slice(buf_BxKxSxhd, moved[None],
                                                   (b, 0, cache_len_B[b], 0))
     return buf_BxKxSxhd
@@ -157,15 +178,16 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
   rows = jnp.arange(B)
   live_B = ~state.done_B
 
-  # 1. Draft.
-  tree = DRAFTERS[settings.method](state, settings)
+  # 1. Draft (drafter 1, boundaries, drafter 2: see drafting.py).
+  tree = drafting.METHODS[settings.method](params, cfg, settings, state)
   anc_BxTxT, depth_BxT = tree_lib.structure(tree)
 
   # 2. Verify every node in one target pass after the committed context.
   positions = state.cache_len_B[:, None] + depth_BxT
-  hidden, cache, _ = model_lib.forward(params, cfg, tree.tokens_BxT, positions, state.cache,
-                                       state.cache_len_B, anc_BxTxT)
-  logits_BxTxV = model_lib.logits(params, cfg, hidden)
+  hidden, cache, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
+                                           state.cache, state.cache_len_B, anc_BxTxT,
+                                           feature_layers=settings.feature_layers)
+  logits_BxTxV = model_lib.logits(params['target'], cfg, hidden)
 
   # 3. Accept the longest path (+ the target's own token after it).
   cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
@@ -175,8 +197,9 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
   # 4. Commit: the accepted draft tokens and the bonus, truncated at EOS and max_new_tokens
   # exactly where AR decoding would stop.
   C = settings.max_commit
-  path_tokens = jnp.take_along_axis(tree.tokens_BxT, path_BxT, 1)  # path[0] = anchor
-  drafted_BxC = jnp.pad(path_tokens[:, 1:], ((0, 0), (0, C - tree.size + 1)))
+  path_BxC = path_BxT[:, :C]  # a path is at most gamma nodes deep (anchor included)
+  path_tokens = jnp.take_along_axis(tree.tokens_BxT, path_BxC, 1)  # path[0] = anchor
+  drafted_BxC = jnp.pad(path_tokens[:, 1:], ((0, 0), (0, 1)))
   j = jnp.arange(C)[None]
   new_BxC = jnp.where(j < n_acc_B[:, None], drafted_BxC,
                       jnp.where(j == n_acc_B[:, None], bonus_B[:, None], gen.pad_id))
@@ -189,14 +212,21 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
   seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
       jnp.where(keep, new_BxC, gen.pad_id), mode='drop')
 
-  cache = compact_cache(cache, state.cache_len_B, path_BxT)
+  cache = compact_cache(cache, state.cache_len_B, path_BxC, tree.size)
+  draft_caches = state.draft_caches
+  if settings.drafters:  # the accepted path's features extend the drafters' context
+    path_feats = jnp.take_along_axis(feats, path_BxC[:, :, None, None], axis=1)
+    path_pos = jnp.take_along_axis(positions, path_BxC, axis=1)
+    draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
+                                          state.cache_len_B)
   num_out = state.num_out_B + n_commit
   done = state.done_B | (live_B & ((first_eos < n_commit) | (num_out >= gen.max_new_tokens)))
   hist = state.accepted_hist_BxK.at[rows, n_acc_B].add(live_B)
   return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit,
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
-                       accepted_hist_BxK=hist, steps=state.steps + 1)
+                       accepted_hist_BxK=hist, steps=state.steps + 1,
+                       draft_caches=draft_caches)
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,

@@ -1,4 +1,6 @@
 """The functional target: cached decoding, tree verification, features, batching, dtypes."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from d2sd_jax import model as M
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def full_logits(cfg, params, tokens_BxT):
   """Plain causal forward over whole sequences with a fresh cache (the reference)."""
   B, T = tokens_BxT.shape
@@ -73,7 +76,8 @@ def test_tree_verification_matches_each_root_path(tiny):
   for b in range(2):
     for i in range(n):
       seq = list(ctx[b, :ctx_lens[b]]) + [nodes[b, j] for j in root_path(trees[b][0], i)]
-      ref = full_logits(cfg, params, jnp.asarray([seq]))[0, -1]
+      padded = seq + [0] * (20 - len(seq))  # causal: the padding after it changes nothing
+      ref = full_logits(cfg, params, jnp.asarray([padded]))[0, len(seq) - 1]
       np.testing.assert_allclose(tree_logits[b, i], ref, rtol=1e-5, atol=1e-5,
                                  err_msg=f'row {b} node {i}')
 
@@ -107,7 +111,7 @@ def test_feature_layers_are_the_residual_stream(tiny):
 
 def test_bfloat16_tracks_float32(tiny):
   cfg, params = tiny
-  cfg16 = M.ModelConfig(**{**cfg.__dict__, 'dtype': 'bfloat16'})
+  cfg16 = M.ModelConfig(**{**cfg.__dict__, 'dtype': 'bfloat16'})  # a distinct static config
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   tokens = jnp.asarray([[1, 2, 3, 4, 5, 6]])
   ref = full_logits(cfg, params, tokens)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from d2sd_jax import drafting
 from d2sd_jax import generate as G
 from d2sd_jax import model as M
 from d2sd_jax import sampling as S
@@ -28,11 +29,12 @@ def run_both(cfg, params, prompts, spec, seed=0):
   gen_ar, init, loop, _ = _jitted()
   block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
   keys = G.row_keys(seed, range(len(prompts)))
-  ar = gen_ar(params, cfg, spec.generation, block, lens, keys,
+  target_params = params['target'] if 'target' in params else params
+  ar = gen_ar(target_params, cfg, spec.generation, block, lens, keys,
               block.shape[1] + spec.generation.max_new_tokens)
-  state = init(params, cfg, spec, block, lens, keys,
-               SP.cache_size_needed(block.shape[1], spec))
-  state = loop(params, cfg, spec, state)
+  bundle = params if isinstance(params, dict) and 'target' in params else {'target': params}
+  state = init(bundle, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
+  state = loop(bundle, cfg, spec, state)
   n = spec.generation.max_new_tokens
   ar_out = [ar.out_BxN[b, :ar.num_out_B[b]].tolist() for b in range(len(prompts))]
   sp_out = [SP.generated(state, n)[b, :state.num_out_B[b]].tolist() for b in range(len(prompts))]
@@ -85,10 +87,10 @@ def test_cache_equals_fresh_prefill_after_each_cycle(tiny):
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=30, eos_ids=(), pad_id=0), gamma=6)
   _, init, _, step = _jitted()
   block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(params, cfg, spec, block, lens, G.row_keys(0, range(3)),
+  state = init({'target': params}, cfg, spec, block, lens, G.row_keys(0, range(3)),
                SP.cache_size_needed(block.shape[1], spec))
   for _ in range(5):
-    state = step(params, cfg, spec, state)
+    state = step({'target': params}, cfg, spec, state)
     for b in range(3):
       n = int(state.cache_len_B[b])
       assert n == int(state.seq_len_B[b]) - 1
@@ -104,7 +106,7 @@ def test_cache_equals_fresh_prefill_after_each_cycle(tiny):
 def oracle_drafter(reference_BxN, corrupt):
   """Proposes the AR continuation (or, corrupted, a token that is always wrong)."""
 
-  def draft(state, settings):
+  def draft(params, cfg, settings, state):
     k = state.num_out_B[:, None] + jnp.arange(settings.gamma - 1)[None]
     ref = jnp.take_along_axis(reference_BxN, jnp.clip(k, 0, reference_BxN.shape[1] - 1), 1)
     if corrupt:
@@ -121,7 +123,8 @@ def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   ar, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(gen, gamma=5))
   reference = jnp.asarray([o + [0] * 8 for o in ar])
   method = 'oracle_wrong' if corrupt else 'oracle'  # distinct static settings -> own program
-  monkeypatch.setitem(SP.DRAFTERS, method, oracle_drafter(reference, corrupt))
+  monkeypatch.setitem(drafting.METHODS, method, oracle_drafter(reference, corrupt))
+  monkeypatch.setitem(drafting.NEEDS, method, ())
   spec = SP.SpecSettings(gen, method=method, gamma=5)
   ar2, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar == ar2
@@ -143,9 +146,9 @@ def test_batched_equals_per_prompt_and_seeded_sampling(tiny):
   _, init, loop, _ = _jitted()
   for r, prompt in enumerate(PROMPTS):
     block, lens = G.pad_prompts([prompt], 0, bucket=8)
-    state = init(params, cfg, spec, block, lens, G.row_keys(3, [r]),
+    state = init({'target': params}, cfg, spec, block, lens, G.row_keys(3, [r]),
                  SP.cache_size_needed(block.shape[1], spec))
-    state = loop(params, cfg, spec, state)
+    state = loop({'target': params}, cfg, spec, state)
     assert SP.generated(state, 15)[0, :state.num_out_B[0]].tolist() == batched[r]
 
 
@@ -155,11 +158,12 @@ def test_one_program_without_host_transfers(tiny):
   block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
   keys = G.row_keys(0, range(3))
   _, init, _, _ = _jitted()
-  state = init(params, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
-  loop = jax.jit(SP.spec_loop, static_argnums=(1, 2)).lower(params, cfg, spec, state).compile()
+  bundle = {'target': params}
+  state = init(bundle, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
+  loop = jax.jit(SP.spec_loop, static_argnums=(1, 2)).lower(bundle, cfg, spec, state).compile()
   assert 'while' in loop.as_text()
   with jax.transfer_guard('disallow'):
-    out = loop(params, state)
+    out = loop(bundle, state)
   assert bool(out.done_B.all())
 
 
@@ -246,11 +250,95 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
   block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
   keys = G.row_keys(0, range(len(cases)))
   _, init, loop, _ = _jitted()
-  state = init(smollm2.params, smollm2.cfg, spec, block, lens, keys,
+  bundle = {'target': smollm2.params}
+  state = init(bundle, smollm2.cfg, spec, block, lens, keys,
                SP.cache_size_needed(block.shape[1], spec))
-  state = loop(smollm2.params, smollm2.cfg, spec, state)
+  state = loop(bundle, smollm2.cfg, spec, state)
   out = SP.generated(state, 32)
   for b, case in enumerate(cases):
     n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 32)
     assert out[b, :n].tolist() == case['greedy_ids'][:n], case['prompt']
   assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafter-based methods (untrained tiny drafters: acceptance is rare, correctness is the point).
+
+from d2sd_jax import drafter as D  # pylint: disable=wrong-import-position
+
+DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
+                       d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
+DCFG2 = D.DrafterConfig(**{**DCFG.__dict__, 'feature_layers': (1, 2)})
+
+
+def bundle_for(tiny):
+  cfg, params = tiny
+  return {'target': params, 'drafter1': D.init_params(DCFG, cfg, jax.random.PRNGKey(5)),
+          'drafter2': D.init_params(DCFG2, cfg, jax.random.PRNGKey(6))}
+
+
+@pytest.mark.parametrize('method,steps,budget', [
+    ('dflash', 1, 0), ('dflash', 2, 0), ('dflash_resample', 1, 0), ('dflash_dflash', 1, 0),
+    ('d2sd', 1, 0), ('d2sd', 3, 11)])
+def test_drafter_methods_equal_ar(tiny, method, steps, budget):
+  cfg, _ = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
+                         method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
+                         steps=steps, tree_budget=budget)
+  ar, sp, state = run_both(cfg, bundle_for(tiny), PROMPTS, spec)
+  assert sp == ar
+  assert spec.tree_size == (11 if budget else 5 + (12 if method != 'dflash' else 0))
+
+
+def test_d2sd_caches_equal_fresh_prefill(tiny):
+  cfg, params = tiny
+  bundle = bundle_for(tiny)
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
+                         method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=2)
+  _, init, _, step = _jitted()
+  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(bundle, cfg, spec, block, lens, G.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  for _ in range(3):
+    state = step(bundle, cfg, spec, state)
+  for b in range(3):
+    n = int(state.cache_len_B[b])
+    toks = state.seq_BxL[b:b + 1, :n]
+    _, _, feats = M.forward(params, cfg, toks, jnp.arange(n)[None], M.init_cache(cfg, 1, n),
+                            jnp.zeros((1,), jnp.int32), feature_layers=(0, 1, 2))
+    for name, dcfg in (('drafter1', DCFG), ('drafter2', DCFG2)):
+      ref = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
+                         jnp.arange(n)[None])
+      for layer, ref_layer in zip(state.draft_caches[name], ref):
+        np.testing.assert_allclose(layer['k'][b, :, :n], ref_layer['k'][0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(layer['v'][b, :, :n], ref_layer['v'][0], rtol=1e-4, atol=1e-5)
+
+
+def test_branch_points_and_packing():
+  # c = [1, .9, .5, .8]: r(0)=.1, r(1)=.9*.5=.45, r(2)=.45*.2=.09, r(3)... (gamma=5 -> i <= 3)
+  conf = jnp.asarray([[1.0, 0.9, 0.5, 0.8, 0.3]])
+  # r(0)=0.1, r(1)=0.45, r(2)=0.09, r(3)=0.9*0.5*0.8*0.7=0.252
+  np.testing.assert_array_equal(drafting.branch_points(conf, 3), [[1, 3, 0]])
+  chain = jnp.asarray([[7, 11, 12, 13, 14]])
+  branches = jnp.asarray([[[0, 11, 21, 22, 23], [0, 11, 12, 13, 31], [0, 41, 42, 43, 44]]])
+  cut = jnp.asarray([[1, 3, 0]])
+  t = drafting.pack_tree(jnp.asarray([7]), chain, branches, cut, size=12)
+  # chain 0..4; branch 0 (cut 1): nodes 5,6,7 under chain node 1; branch 1 (cut 3): node 8 under
+  # chain node 3; branch 2 (cut 0): nodes 9, 10, 11 under the anchor (its 4th token is cut off).
+  assert t.tokens_BxT[0].tolist() == [7, 11, 12, 13, 14, 21, 22, 23, 31, 41, 42, 43]
+  assert t.parents_BxT[0].tolist() == [0, 0, 1, 2, 3, 1, 5, 6, 3, 0, 9, 10]
+  assert t.valid_BxT[0].all()
+
+
+def test_invalid_spec_settings():
+  gen = G.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0)
+  with pytest.raises(ValueError, match='needs drafter2'):
+    SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG)
+  with pytest.raises(ValueError, match='set gamma=5'):
+    SP.SpecSettings(gen, method='dflash', gamma=8, drafter1=DCFG)
+  with pytest.raises(ValueError, match='n_branches'):
+    SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=5)
+  with pytest.raises(ValueError, match='tree_budget'):
+    SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, tree_budget=3)
+  with pytest.raises(ValueError, match='method'):
+    SP.SpecSettings(gen, method='magic')

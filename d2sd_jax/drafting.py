@@ -1,0 +1,143 @@
+"""Drafting methods: each turns the speculative state into a candidate token tree.
+
+  pld              prompt lookup: what followed the last n-gram's earlier occurrence
+  dflash           drafter 1 alone: one chain of gamma-1 tokens from one block
+  dflash_resample  + K branches resampled from drafter 1's own per-position distributions
+  dflash_dflash    + K branches re-drafted by drafter 1 from its likely rejection points
+  d2sd             + K branches re-drafted by drafter 2 (the VP drafter): the method
+
+Branch points (D²SD step 2): with c_k drafter 1's confidence at position k, the probability that
+exactly i tokens are accepted is r(i) = c_1 ⋯ c_i (1 - c_{i+1}); the K largest r(i) choose the
+branches, each keeping the anchor + the first i tokens and re-drafting the rest.
+
+All drafts are verified as point masses by sample-and-match, which is exact for any candidate
+tree built without the target's random draws (see tree.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import tree as tree_lib
+
+BRANCHED = ('dflash_resample', 'dflash_dflash', 'd2sd')
+NEEDS = {'pld': (), 'dflash': ('drafter1',), 'dflash_resample': ('drafter1',),
+         'dflash_dflash': ('drafter1',), 'd2sd': ('drafter1', 'drafter2')}
+
+
+def pld(params, cfg, settings, state) -> tree_lib.Tree:
+  """Prompt lookup: find an earlier occurrence of the last n committed tokens (the longest n up to
+  ngram_max that occurs) and propose the gamma-1 tokens that followed it."""
+  del params, cfg
+  B, L = state.seq_BxL.shape
+  N = settings.gamma - 1
+  seq, seq_len = state.seq_BxL, state.seq_len_B
+  pos = jnp.arange(L)
+  best_start = jnp.full((B,), -1, jnp.int32)  # where the proposal starts in seq
+  for n in range(1, settings.ngram_max + 1):  # longer n overrides shorter ones
+    tail = jnp.stack([jnp.take_along_axis(seq, (seq_len - n + k)[:, None], 1)[:, 0]
+                      for k in range(n)], 1)  # [B, n]
+    ok = jnp.ones((B, L), bool)
+    for k in range(n):
+      ok &= jnp.roll(seq, -k, axis=1) == tail[:, k:k + 1]  # seq[j + k] == tail[k]
+    # The match must end before the tail starts (a following token exists).
+    ok &= (pos[None] + n <= (seq_len - 1)[:, None]) & (seq_len[:, None] > n)
+    # Among matches, the latest one whose continuation is longest (up to gamma-1 tokens): the
+    # very latest match of a repetition often has almost nothing after it yet.
+    follow = jnp.clip(seq_len[:, None] - (pos[None] + n), 0, N)
+    score = jnp.where(ok, follow * L + pos[None], -1)
+    found = jnp.max(score, axis=1) >= 0
+    best_start = jnp.where(found, jnp.argmax(score, axis=1) + n, best_start)
+  idx = best_start[:, None] + jnp.arange(N)[None]
+  draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
+  valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
+  return tree_lib.chain(state.anchor_B, draft, valid)
+
+
+def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG):
+  """K blocks per row through drafter `name` in one pass, after the committed context."""
+  B, K, G = tokens_BxKxG.shape
+  S = state.draft_caches[name][0]['k'].shape[2]
+  positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), (B, K, G))
+  ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]
+  tokens, conf, probs = drafter_lib.denoise(
+      params[name], getattr(settings, name), params['target'], cfg,
+      tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
+      positions.reshape(B, K * G), state.draft_caches[name], ctx_mask, settings.steps,
+      settings.order)
+  return tokens.reshape(B, K, G), conf.reshape(B, K, G), probs.reshape(B, K, G, -1)
+
+
+def first_draft(params, cfg, settings, state):
+  """Drafter 1's block [anchor, MASK ...]: tokens, confidences, distributions ([B, G, ...])."""
+  B, G = state.seq_len_B.shape[0], settings.gamma
+  block = jnp.zeros((B, 1, G), jnp.int32).at[:, 0, 0].set(state.anchor_B)
+  is_mask = jnp.broadcast_to(jnp.arange(G) > 0, (B, 1, G))
+  tokens, conf, probs = _denoise(params, cfg, settings, state, 'drafter1', block, is_mask)
+  return tokens[:, 0], conf[:, 0], probs[:, 0]
+
+
+def dflash(params, cfg, settings, state) -> tree_lib.Tree:
+  tokens, _, _ = first_draft(params, cfg, settings, state)
+  return tree_lib.chain(state.anchor_B, tokens[:, 1:], jnp.ones_like(tokens[:, 1:], bool))
+
+
+def branch_points(conf_BxG: jax.Array, n_branches: int) -> jax.Array:
+  """The K most likely acceptance lengths i (0..gamma-2) under r(i) = c_1..c_i (1 - c_{i+1})."""
+  c = jnp.clip(conf_BxG[:, 1:], 1e-6, 1 - 1e-6)  # c_1 .. c_{G-1}
+  log_prefix = jnp.concatenate([jnp.zeros_like(c[:, :1]), jnp.cumsum(jnp.log(c), 1)[:, :-1]], 1)
+  log_r = log_prefix + jnp.log1p(-c)  # i = 0 .. G-2
+  return jax.lax.top_k(log_r, n_branches)[1].astype(jnp.int32)
+
+
+def branched(params, cfg, settings, state) -> tree_lib.Tree:
+  """Drafter 1's chain plus K branches from its likely rejection points, packed into one tree."""
+  B, G, K = state.seq_len_B.shape[0], settings.gamma, settings.n_branches
+  chain_tokens, conf, probs = first_draft(params, cfg, settings, state)
+  cut_BxK = branch_points(conf, K)
+  k = jnp.arange(G)
+  keep = k[None, None] <= cut_BxK[..., None]  # [B, K, G]: anchor + first i tokens
+  prefix = jnp.where(keep, chain_tokens[:, None], 0)
+  if settings.method == 'dflash_resample':
+    # Independent draws from drafter 1's distributions; the first re-drafted position excludes
+    # the chain's token there (the branch would otherwise repeat the chain).
+    cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
+    key = jax.vmap(lambda kk: jax.random.fold_in(kk, 1))(cycle_keys)  # not the target's draws
+    logp = jnp.log(jnp.broadcast_to(probs[:, None], (B, K, G, probs.shape[-1])))
+    first = k[None, None] == cut_BxK[..., None] + 1
+    is_chain_token = jnp.arange(probs.shape[-1]) == chain_tokens[:, None, :, None]
+    logp = jnp.where(first[..., None] & is_chain_token, -jnp.inf, logp)
+    drawn = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(key, logp)
+    branch_tokens = jnp.where(keep, prefix, drawn).astype(jnp.int32)
+  else:
+    name = 'drafter2' if settings.method == 'd2sd' else 'drafter1'
+    branch_tokens, _, _ = _denoise(params, cfg, settings, state, name, prefix,
+                                   jnp.broadcast_to(~keep, (B, K, G)))
+  return pack_tree(state.anchor_B, chain_tokens, branch_tokens, cut_BxK, settings.tree_size)
+
+
+def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int) -> tree_lib.Tree:
+  """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
+  until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0)."""
+  B, K, G = branches_BxKxG.shape
+  p = jnp.arange(G)
+  new = p[None, None] > cut_BxK[..., None]  # [B, K, G]
+  length = G - 1 - cut_BxK  # re-drafted tokens per branch
+  offset = G + jnp.cumsum(length, 1) - length  # first node index of each branch
+  dest = jnp.where(new, offset[..., None] + p - cut_BxK[..., None] - 1, size)  # size = dropped
+  prev = jnp.concatenate([jnp.full((B, K, 1), size), dest[..., :-1]], axis=2)
+  parent = jnp.where(p == cut_BxK[..., None] + 1, cut_BxK[..., None], prev)
+  tokens = jnp.zeros((B, size), jnp.int32).at[:, :G].set(chain_BxG.at[:, 0].set(anchor_B))
+  parents = jnp.zeros((B, size), jnp.int32).at[:, 1:G].set(jnp.arange(G - 1))
+  valid = jnp.zeros((B, size), bool).at[:, :G].set(True)
+  rows = jnp.arange(B)[:, None]
+  flat = lambda x: x.reshape(B, K * G)
+  tokens = tokens.at[rows, flat(dest)].set(flat(branches_BxKxG), mode='drop')
+  parents = parents.at[rows, flat(dest)].set(flat(parent).astype(jnp.int32), mode='drop')
+  valid = valid.at[rows, flat(dest)].set(True, mode='drop')
+  return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid)
+
+
+METHODS = {'pld': pld, 'dflash': dflash, 'dflash_resample': branched, 'dflash_dflash': branched,
+           'd2sd': branched}
