@@ -9,9 +9,17 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.target = 'smollm2'  # 'smollm2', a .gguf file, or a Hugging Face folder (config.json + *.safetensors)
   c.dtype = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
-  c.method = 'ar'  # 'ar' (plain autoregressive) or 'pld' (prompt-lookup speculative decoding)
-  c.gamma = 8  # speculative block: the anchor + gamma-1 drafted tokens verified per cycle
+  # Decoding method: 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
+  # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2).
+  c.method = 'ar'
+  c.gamma = 8  # speculative block: the anchor + gamma-1 drafted tokens (drafters fix their own)
   c.ngram_max = 3  # pld: longest n-gram looked up in the context
+  c.drafter1 = ''  # drafter 1 checkpoint: a train.py workdir or an exported drafter folder
+  c.drafter2 = ''  # drafter 2 (VP drafter) checkpoint, for method='d2sd'
+  c.n_branches = 4  # K: branches re-drafted from drafter 1's likely rejection points
+  c.steps = 1  # diffusion effort: denoising passes per drafted block
+  c.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'
+  c.tree_budget = 0  # nodes verified per cycle incl. the anchor (0 = all; CPUs want small trees)
   c.prompt = 'Write a Python function that returns the n-th Fibonacci number.'  # one prompt...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line (set prompt='')
   c.chat = True  # wrap each prompt in the model's chat template

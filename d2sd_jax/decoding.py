@@ -10,15 +10,16 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
+from d2sd_jax import checkpoints as ckpt
+from d2sd_jax import drafting
 from d2sd_jax import generate as G
 from d2sd_jax import loaders
 from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import speculative as SP
 
-METHODS = ('ar', 'pld')
+METHODS = ('ar',) + tuple(drafting.METHODS)
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
 
@@ -163,9 +164,18 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
                      max(limit, longest + config.max_new_tokens))
     runner = ARRunner(target, settings, cache_size)
   else:
+    params, drafter_cfgs = {'target': target.params}, {}
+    for name in drafting.NEEDS[config.method]:
+      path = config[name]
+      if not path:
+        raise ValueError(f'method={config.method!r} needs {name}: set --config.{name}=PATH (a '
+                         'train.py workdir or an exported drafter)')
+      drafter_cfgs[name], params[name], _ = ckpt.load_drafter(path, target)
     spec = SP.SpecSettings(generation=settings, method=config.method, gamma=config.gamma,
-                           ngram_max=config.ngram_max)
-    runner = SpecRunner({'target': target.params}, target.cfg, spec, prompt_block)
+                           ngram_max=config.ngram_max, n_branches=config.n_branches,
+                           steps=config.steps, order=config.order,
+                           tree_budget=config.tree_budget, **drafter_cfgs)
+    runner = SpecRunner(params, target.cfg, spec, prompt_block)
 
   results, prefill_s, decode_s, new_tokens, decode_steps = [], 0.0, 0.0, 0, 0
   cycles, hist = 0, None

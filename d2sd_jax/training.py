@@ -8,8 +8,6 @@ plus JSON metadata naming the target they were trained for.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -23,6 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from d2sd_jax import checkpoints as ckpt
 from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import loaders
@@ -30,19 +29,6 @@ from d2sd_jax import losses
 from d2sd_jax import model as model_lib
 
 KINDS = ('drafter1', 'drafter2')
-
-
-def target_fingerprint(target: loaders.Target) -> str:
-  """Architecture + a hash of some weights: a checkpoint for another target is refused."""
-  h = hashlib.sha256(json.dumps(_arch(target.cfg), sort_keys=True).encode())
-  for x in (target.params['embed'][:64], target.params['final_norm'],
-            target.params['layers'][-1]['w_down'][:8]):
-    h.update(np.asarray(x, np.float32).tobytes())
-  return h.hexdigest()[:16]
-
-
-def _arch(cfg: model_lib.ModelConfig) -> dict:
-  return {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
 
 
 def drafter_config(config) -> drafter_lib.DrafterConfig:
@@ -122,38 +108,6 @@ def make_train_step(config, tcfg, dcfg, opt):
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
 
-def checkpoint_metadata(config, target, dcfg) -> dict:
-  return {'kind': config.kind, 'drafter': dataclasses.asdict(dcfg), 'target': config.target,
-          'target_arch': _arch(target.cfg), 'target_fingerprint': target_fingerprint(target)}
-
-
-def check_metadata(meta: dict, target, path: str) -> None:
-  if meta.get('target_fingerprint') != target_fingerprint(target):
-    raise ValueError(
-        f'checkpoint {path} was trained for target {meta.get("target")!r} '
-        f'(fingerprint {meta.get("target_fingerprint")}, architecture {meta.get("target_arch")}), '
-        f'not for this one (fingerprint {target_fingerprint(target)}): use a drafter trained for '
-        'this target, or train one with train.py')
-
-
-def restore(manager, step: int, abstract_state: dict, target):
-  """(params, opt_state) of checkpoint `step`, after checking it was made for this target."""
-  path = os.path.join(manager.directory, str(step))
-  try:
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-  except Exception as e:
-    raise ValueError(f'checkpoint {path} is unreadable ({type(e).__name__}: {e}); move it away '
-                     'to resume from the previous checkpoint, or start a new workdir') from e
-  check_metadata(meta, target, path)
-  try:
-    state = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))['state']
-  except Exception as e:
-    raise ValueError(f'checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); '
-                     'move it away to resume from the previous checkpoint') from e
-  return state['params'], state['opt_state']
-
-
 def run(config: ml_collections.ConfigDict) -> dict:
   validate(config)
   target = loaders.load_target(config.target, 'float32')
@@ -166,22 +120,20 @@ def run(config: ml_collections.ConfigDict) -> dict:
   train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
 
   workdir = os.path.abspath(config.workdir)
-  manager = ocp.CheckpointManager(
-      os.path.join(workdir, 'checkpoints'),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep, create=True))
-  meta = checkpoint_metadata(config, target, dcfg)
+  manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
+  meta = ckpt.checkpoint_metadata(config.kind, config.target, target, dcfg)
   dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
   opt_state = opt.init(dparams)
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
-    dparams, opt_state = restore(manager, start, {'params': dparams, 'opt_state': opt_state},
-                                 target)
+    items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
+    dparams, opt_state = items['params'], items['opt_state']
     print(f'resumed from step {start}', flush=True)
 
   def save(step):
     manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({'params': dparams, 'opt_state': opt_state}),
+        params=ocp.args.StandardSave(dparams), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta)), force=True)
 
   log_path = os.path.join(workdir, 'metrics.jsonl')

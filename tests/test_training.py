@@ -78,8 +78,8 @@ def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill
   training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=6))
   ckpts = workdir / 'checkpoints'
   assert sorted(os.listdir(ckpts)) == ['3', '6']
-  # Damage step 6: truncate every file of its parameter state.
-  for root, _, files in os.walk(ckpts / '6' / 'state'):
+  # Damage step 6: truncate every file of its parameters.
+  for root, _, files in os.walk(ckpts / '6' / 'params'):
     for name in files:
       path = os.path.join(root, name)
       with open(path, 'r+b') as f:
@@ -103,3 +103,44 @@ def test_bad_training_configs(tiny_folder, distill_dir, tmp_path):
   c = tiny_config(tiny_folder, str(tmp_path / 'nothing-here'), str(tmp_path))
   with pytest.raises(FileNotFoundError, match='d2sd_jax.distill'):
     training.run(c)
+
+
+def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
+  """train.py checkpoints (one exported to the shipped bfloat16 form) drive every drafter
+  method of decode.py; the completions equal AR's; a drafter for another target is refused."""
+  import io
+  from d2sd_jax import checkpoints, decoding, loaders
+  import smollm2 as smollm2_config  # pylint: disable=import-outside-toplevel
+  d1, d2 = str(tmp_path / 'd1'), str(tmp_path / 'd2')
+  training.run(tiny_config(tiny_folder, distill_dir, d1, 'drafter1', steps=3))
+  training.run(tiny_config(tiny_folder, distill_dir, d2, 'drafter2', steps=3))
+  target = loaders.load_target(tiny_folder)
+  checkpoints.export_drafter(d2, str(tmp_path / 'd2-export'), target)
+  dcfg, params, meta = checkpoints.load_drafter(str(tmp_path / 'd2-export'), target)
+  assert meta['kind'] == 'drafter2' and dcfg.gamma == 4
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+
+  def decode(**overrides):
+    c = smollm2_config.get_config()
+    settings = dict(target=tiny_folder, prompt='abcabcab', chat=False, max_new_tokens=10,
+                    gamma=4, drafter1=d1, drafter2=str(tmp_path / 'd2-export'), n_branches=2,
+                    output=str(tmp_path / 'out.jsonl'))
+    c.update({**settings, **overrides})
+    stats = decoding.run(c, out=io.StringIO())
+    return stats, json.loads((tmp_path / 'out.jsonl').read_text())['completion_ids']
+
+  _, ar = decode(method='ar')
+  for method in ('dflash', 'dflash_resample', 'dflash_dflash', 'd2sd'):
+    stats, ids = decode(method=method)
+    assert ids == ar, method
+    assert stats['cycles'] >= 1 and stats['tau'] >= 1.0
+  with pytest.raises(ValueError, match='needs drafter2'):
+    decode(method='d2sd', drafter2='')
+
+  other = tmp_path / 'other'
+  shutil.copytree(tiny_folder, other)
+  cfg = json.loads((other / 'config.json').read_text())
+  (other / 'config.json').write_text(json.dumps({**cfg, 'rope_theta': 77.0,
+                                                 'rope_parameters': None}))
+  with pytest.raises(ValueError, match='was trained for target'):
+    decode(method='dflash', target=str(other))

@@ -1,0 +1,112 @@
+"""Orbax checkpoints of drafters, tied to the target they were trained for.
+
+A checkpoint step holds items `params` (and, during training, `opt_state`) plus JSON `meta`:
+the drafter config, the target's architecture and a fingerprint of its weights. Loading a
+drafter for another target is refused with a message naming both. `export_drafter` writes the
+drafter-only form that ships (parameters in bfloat16, no optimizer state).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import loaders
+from d2sd_jax import model as model_lib
+
+
+def target_fingerprint(target: loaders.Target) -> str:
+  """Architecture + a hash of some weights: a checkpoint for another target is refused."""
+  h = hashlib.sha256(json.dumps(_arch(target.cfg), sort_keys=True).encode())
+  for x in (target.params['embed'][:64], target.params['final_norm'],
+            target.params['layers'][-1]['w_down'][:8]):
+    h.update(np.asarray(x, np.float32).tobytes())
+  return h.hexdigest()[:16]
+
+
+def _arch(cfg: model_lib.ModelConfig) -> dict:
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
+
+
+def checkpoint_metadata(kind: str, target_name: str, target, dcfg) -> dict:
+  return {'kind': kind, 'drafter': dataclasses.asdict(dcfg), 'target': target_name,
+          'target_arch': _arch(target.cfg), 'target_fingerprint': target_fingerprint(target)}
+
+
+def check_metadata(meta: dict, target, path: str) -> None:
+  if meta.get('target_fingerprint') != target_fingerprint(target):
+    raise ValueError(
+        f'checkpoint {path} was trained for target {meta.get("target")!r} '
+        f'(fingerprint {meta.get("target_fingerprint")}, architecture {meta.get("target_arch")}), '
+        f'not for this one (fingerprint {target_fingerprint(target)}): use a drafter trained for '
+        'this target, or train one with train.py')
+
+
+def restore(mngr, step: int, target, abstract: dict) -> dict:
+  """Items of checkpoint `step` (e.g. {'params': ..., 'opt_state': ...} as abstract trees),
+  after checking from its metadata that it was made for this target."""
+  path = os.path.join(mngr.directory, str(step))
+  try:
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception as e:
+    raise ValueError(f'checkpoint {path} is unreadable ({type(e).__name__}: {e}); move it away '
+                     'to use the previous checkpoint, or start a new workdir') from e
+  check_metadata(meta, target, path)
+  try:
+    items = mngr.restore(step, args=ocp.args.Composite(
+        **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
+  except Exception as e:
+    raise ValueError(f'checkpoint {path} is corrupt or incomplete ({type(e).__name__}: {e}); '
+                     'move it away to use the previous checkpoint') from e
+  return {name: items[name] for name in abstract}
+
+
+def manager(directory: str, keep: int | None = None, create: bool = True):
+  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=create))
+
+
+def load_drafter(path: str, target: loaders.Target):
+  """(DrafterConfig, float32 params, metadata) from a training workdir, its checkpoints/ folder,
+  or an exported drafter folder; the latest step. Refuses a drafter made for another target."""
+  directory = os.path.join(path, 'checkpoints') if os.path.isdir(
+      os.path.join(path, 'checkpoints')) else path
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'drafter checkpoint {path!r} not found: give a train.py workdir or '
+                            'an exported drafter folder')
+  mngr = manager(directory, create=False)
+  step = mngr.latest_step()
+  if step is None:
+    raise FileNotFoundError(f'no checkpoint in {directory}: train one with train.py')
+  meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  check_metadata(meta, target, os.path.join(directory, str(step)))
+  d = dict(meta['drafter'])
+  d['feature_layers'] = tuple(d['feature_layers'])
+  dcfg = drafter_lib.DrafterConfig(**d)
+  abstract = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, target.cfg,
+                                                            jax.random.PRNGKey(0)))
+  if meta.get('param_dtype', 'float32') != 'float32':
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, meta['param_dtype']), abstract)
+  params = restore(mngr, step, target, {'params': abstract})['params']
+  return dcfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), meta
+
+
+def export_drafter(workdir: str, out: str, target: loaders.Target, dtype: str = 'bfloat16'):
+  """A drafter-only checkpoint (parameters in `dtype` + metadata, no optimizer state): what
+  ships, and what decode.py and notebooks load."""
+  dcfg, params, meta = load_drafter(workdir, target)
+  out_mngr = manager(out, keep=1)
+  step = manager(os.path.join(workdir, 'checkpoints'), create=False).latest_step()
+  params = jax.tree.map(lambda x: x.astype(dtype), params)
+  out_mngr.save(step, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params),
+      meta=ocp.args.JsonSave({**meta, 'param_dtype': dtype})), force=True)
+  out_mngr.wait_until_finished()
+  return dcfg
