@@ -132,6 +132,31 @@ class SpecRunner(Runner):
                      SP.cache_size_needed(prompt_len, settings))
     self.settings = settings
 
+  def stage_times(self, prompts_BxP, lens_B, keys_B, repeats: int = 5) -> dict:
+    """Median ms of each stage of one cycle, each compiled and run alone on the state after
+    the prefill (inside the real loop they are one program: this is the breakdown)."""
+    params, cfg, st = self.params, self.cfg, self.settings
+    state = self._compiled_prefill(prompts_BxP, lens_B, keys_B)(params, prompts_BxP, lens_B,
+                                                                 keys_B)
+    draft = jax.jit(SP.draft, static_argnums=(1, 2))
+    verify = jax.jit(SP.verify, static_argnums=(1, 2))
+    accept = jax.jit(SP.accept_and_commit, static_argnums=(1,))
+    tree = draft(params, cfg, st, state)
+    verified = verify(params, cfg, st, state, tree)
+    stages = {'draft': lambda: draft(params, cfg, st, state),
+              'verify': lambda: verify(params, cfg, st, state, tree),
+              'accept': lambda: accept(params, st, state, tree, verified)}
+    out = {}
+    for name, fn in stages.items():
+      jax.block_until_ready(fn())
+      times = []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+      out[name] = round(1e3 * sorted(times)[len(times) // 2], 3)
+    return out
+
   def outputs(self, state):
     out = SP.generated(state, self.settings.generation.max_new_tokens)
     out, counts, steps, cycles, hist = jax.device_get(
@@ -186,6 +211,8 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
     batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
     block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
     keys = G.row_keys(config.seed, rows + [rows[0]] * (B - len(rows)))
+    if start == 0:
+      first_batch = (block, lens, keys)
     state, t_prefill, t_decode = runner(block, lens, keys)
     prefill_s, decode_s = prefill_s + t_prefill, decode_s + t_decode
     out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
@@ -215,8 +242,9 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   }
   if config.method != 'ar':
     # tau: tokens committed per verification cycle, bonus included (AR would be 1).
-    stats.update(gamma=config.gamma, cycles=cycles,
+    stats.update(gamma=config.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
                  tau=round(decode_tokens / cycles, 3) if cycles else None,
-                 accepted_histogram=[int(h) for h in hist])
+                 accepted_histogram=[int(h) for h in hist],
+                 stage_ms=runner.stage_times(*first_batch))
   print(json.dumps(stats), file=out)
   return stats

@@ -171,31 +171,44 @@ def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int)
   return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
 
 
-def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
-              state: SpecState) -> SpecState:
-  gen = settings.generation
-  B = state.seq_BxL.shape[0]
-  rows = jnp.arange(B)
-  live_B = ~state.done_B
+@flax.struct.dataclass
+class Verified:
+  anc_BxTxT: jax.Array  # ancestor-or-self mask of the tree
+  depth_BxT: jax.Array
+  positions_BxT: jax.Array
+  logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
+  cache: model_lib.Cache  # target cache with every node's K/V written after the context
+  features: jax.Array | None  # target features of every node (for the drafters' context)
 
-  # 1. Draft (drafter 1, boundaries, drafter 2: see drafting.py).
-  tree = drafting.METHODS[settings.method](params, cfg, settings, state)
+
+def draft(params, cfg, settings: SpecSettings, state: SpecState) -> tree_lib.Tree:
+  """Drafter 1, boundaries, drafter 2 (or prompt lookup): see drafting.py."""
+  return drafting.METHODS[settings.method](params, cfg, settings, state)
+
+
+def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
+  """Every node in one target pass after the committed context (shared prefixes once)."""
   anc_BxTxT, depth_BxT = tree_lib.structure(tree)
-
-  # 2. Verify every node in one target pass after the committed context.
   positions = state.cache_len_B[:, None] + depth_BxT
   hidden, cache, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
                                            state.cache, state.cache_len_B, anc_BxTxT,
                                            feature_layers=settings.feature_layers)
-  logits_BxTxV = model_lib.logits(params['target'], cfg, hidden)
+  return Verified(anc_BxTxT, depth_BxT, positions, model_lib.logits(params['target'], cfg, hidden),
+                  cache, feats)
 
-  # 3. Accept the longest path (+ the target's own token after it).
+
+def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree,
+                      v: Verified) -> SpecState:
+  """The longest accepted path + the target's own token after it, committed: tokens truncated at
+  EOS and max_new_tokens exactly where AR would stop, caches compacted to the committed tokens."""
+  gen = settings.generation
+  B = state.seq_BxL.shape[0]
+  rows = jnp.arange(B)
+  live_B = ~state.done_B
   cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
-  best, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
-      tree, anc_BxTxT, depth_BxT, logits_BxTxV, gen.sampling, cycle_keys)
+  _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
+      tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys)
 
-  # 4. Commit: the accepted draft tokens and the bonus, truncated at EOS and max_new_tokens
-  # exactly where AR decoding would stop.
   C = settings.max_commit
   path_BxC = path_BxT[:, :C]  # a path is at most gamma nodes deep (anchor included)
   path_tokens = jnp.take_along_axis(tree.tokens_BxT, path_BxC, 1)  # path[0] = anchor
@@ -212,11 +225,11 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
   seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
       jnp.where(keep, new_BxC, gen.pad_id), mode='drop')
 
-  cache = compact_cache(cache, state.cache_len_B, path_BxC, tree.size)
+  cache = compact_cache(v.cache, state.cache_len_B, path_BxC, tree.size)
   draft_caches = state.draft_caches
   if settings.drafters:  # the accepted path's features extend the drafters' context
-    path_feats = jnp.take_along_axis(feats, path_BxC[:, :, None, None], axis=1)
-    path_pos = jnp.take_along_axis(positions, path_BxC, axis=1)
+    path_feats = jnp.take_along_axis(v.features, path_BxC[:, :, None, None], axis=1)
+    path_pos = jnp.take_along_axis(v.positions_BxT, path_BxC, axis=1)
     draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
                                           state.cache_len_B)
   num_out = state.num_out_B + n_commit
@@ -227,6 +240,14 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxK=hist, steps=state.steps + 1,
                        draft_caches=draft_caches)
+
+
+def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
+              state: SpecState) -> SpecState:
+  """One cycle: draft -> verify -> accept -> commit."""
+  tree = draft(params, cfg, settings, state)
+  return accept_and_commit(params, settings, state, tree, verify(params, cfg, settings, state,
+                                                                  tree))
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,

@@ -58,6 +58,8 @@ def test_prompts_file_batches_and_output(tiny_folder, tmp_path):
   assert stats['method'] == 'pld' and stats['cycles'] > 0
   assert stats['tau'] == pytest.approx((stats['new_tokens'] - 4) / stats['cycles'], abs=1e-3)
   assert sum(stats['accepted_histogram']) == stats['cycles']
+  assert set(stats['stage_ms']) == {'draft', 'verify', 'accept'}
+  assert all(t > 0 for t in stats['stage_ms'].values())
 
 
 def test_chat_template_is_applied(tiny_folder):
