@@ -32,6 +32,16 @@ def distill_dir(tmp_path_factory):
   return str(path)
 
 
+def another_target(tiny_folder, tmp_path):
+  """The tiny checkpoint with another RoPE base: same shapes, a different model."""
+  other = tmp_path / 'other'
+  shutil.copytree(tiny_folder, other)
+  cfg = json.loads((other / 'config.json').read_text())
+  (other / 'config.json').write_text(json.dumps({**cfg, 'rope_theta': 1234.0,
+                                                 'rope_parameters': None}))
+  return str(other)
+
+
 def tiny_config(target, data, workdir, kind='drafter1', steps=6):
   c = drafter1_config.get_config()
   c.kind, c.target, c.workdir = kind, target, workdir
@@ -64,13 +74,8 @@ def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path):
 def test_checkpoint_of_another_target_is_refused(tiny_folder, distill_dir, tmp_path):
   workdir = str(tmp_path / 'run')
   training.run(tiny_config(tiny_folder, distill_dir, workdir, steps=3))
-  other = tmp_path / 'other'
-  shutil.copytree(tiny_folder, other)
-  cfg = json.loads((other / 'config.json').read_text())
-  (other / 'config.json').write_text(json.dumps({**cfg, 'rope_theta': 1234.0,
-                                                 'rope_parameters': None}))
   with pytest.raises(ValueError, match='was trained for target'):
-    training.run(tiny_config(str(other), distill_dir, workdir, steps=6))
+    training.run(tiny_config(another_target(tiny_folder, tmp_path), distill_dir, workdir, steps=6))
 
 
 def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill_dir, tmp_path):
@@ -137,10 +142,5 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   with pytest.raises(ValueError, match='needs drafter2'):
     decode(method='d2sd', drafter2='')
 
-  other = tmp_path / 'other'
-  shutil.copytree(tiny_folder, other)
-  cfg = json.loads((other / 'config.json').read_text())
-  (other / 'config.json').write_text(json.dumps({**cfg, 'rope_theta': 77.0,
-                                                 'rope_parameters': None}))
   with pytest.raises(ValueError, match='was trained for target'):
-    decode(method='dflash', target=str(other))
+    decode(method='dflash', target=another_target(tiny_folder, tmp_path))
