@@ -20,6 +20,7 @@ def get_config():
   c.steps = 1  # diffusion effort: denoising passes per drafted block
   c.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'
   c.tree_budget = 0  # nodes verified per cycle incl. the anchor (0 = all; CPUs want small trees)
+  c.leniency = 0.0  # λ in [0, 1]: accept a draft x with λ + (1-λ) p(x); 0 = lossless
   c.prompt = 'Write a Python function that returns the n-th Fibonacci number.'  # one prompt...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line (set prompt='')
   c.chat = True  # wrap each prompt in the model's chat template

@@ -199,7 +199,8 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
     spec = SP.SpecSettings(generation=settings, method=config.method, gamma=config.gamma,
                            ngram_max=config.ngram_max, n_branches=config.n_branches,
                            steps=config.steps, order=config.order,
-                           tree_budget=config.tree_budget, **drafter_cfgs)
+                           tree_budget=config.tree_budget, leniency=config.leniency,
+                           **drafter_cfgs)
     runner = SpecRunner(params, target.cfg, spec, prompt_block)
 
   results, prefill_s, decode_s, new_tokens, decode_steps = [], 0.0, 0.0, 0, 0

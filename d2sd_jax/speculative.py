@@ -38,6 +38,7 @@ class SpecSettings:
   steps: int = 1  # diffusion effort: denoising passes per drafted block
   order: str = 'confidence'  # multi-step unmasking order ('confidence' or 'left_to_right')
   tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
+  leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
 
   def __post_init__(self):
     if self.method not in drafting.METHODS:
@@ -55,6 +56,8 @@ class SpecSettings:
                          f'gamma={self.gamma}: set gamma={dcfg.gamma}')
     if self.method in drafting.BRANCHED and not 1 <= self.n_branches <= self.gamma - 1:
       raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
+    if not 0.0 <= self.leniency <= 1.0:
+      raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
     if self.tree_budget and self.tree_budget < self.gamma:
       raise ValueError(f'tree_budget={self.tree_budget} must be 0 (no limit) or >= gamma='
                        f'{self.gamma} (the drafter-1 chain always fits)')
@@ -206,8 +209,13 @@ def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tr
   rows = jnp.arange(B)
   live_B = ~state.done_B
   cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
-  _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
-      tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys)
+  if settings.leniency > 0:  # point-mass drafts, accepted with λ + (1-λ) r(x)
+    _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_recursive(
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys,
+        leniency=settings.leniency)
+  else:  # exact: sample-and-match (greedy matching at T = 0)
+    _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys)
 
   C = settings.max_commit
   path_BxC = path_BxT[:, :C]  # a path is at most gamma nodes deep (anchor included)

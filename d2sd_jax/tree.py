@@ -87,11 +87,61 @@ def accept_point_mass(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   # A node is accepted when every node on its root path matched.
   accepted = ~jnp.any(anc_BxTxT & ~match[:, None, :], axis=-1)
   best = jnp.argmax(jnp.where(accepted, depth_BxT, -1), axis=1)  # deepest; ties -> lowest index
-  best_depth = jnp.take_along_axis(depth_BxT, best[:, None], 1)[:, 0]
   bonus = jnp.take_along_axis(y_BxT, best[:, None], 1)[:, 0]
-  on_path = jnp.take_along_axis(anc_BxTxT, best[:, None, None], 1)[:, 0]  # [B, T]
-  # Path nodes ordered by depth: node with depth d goes to slot d; slots past the end -> best.
-  slot = jnp.where(on_path, depth_BxT, T)
-  path = jnp.broadcast_to(best[:, None], (B, T + 1)).at[jnp.arange(B)[:, None], slot].set(
+  return (best, jnp.take_along_axis(depth_BxT, best[:, None], 1)[:, 0], bonus,
+          path_to(best, anc_BxTxT, depth_BxT))
+
+
+def path_to(node_B, anc_BxTxT, depth_BxT):
+  """[B, T] node indices from the anchor down to `node` by depth, padded with `node`."""
+  B, T = depth_BxT.shape
+  on_path = jnp.take_along_axis(anc_BxTxT, node_B[:, None, None], 1)[:, 0]  # [B, T]
+  slot = jnp.where(on_path, depth_BxT, T)  # node of depth d goes to slot d
+  return jnp.broadcast_to(node_B[:, None], (B, T + 1)).at[jnp.arange(B)[:, None], slot].set(
       jnp.broadcast_to(jnp.arange(T), (B, T)), mode='drop')[:, :T]
-  return best, best_depth, bonus, path
+
+
+def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
+                     target_logits_BxTxV: jax.Array, settings: sampling_lib.SamplingSettings,
+                     rng_B: jax.Array, leniency: float = 0.0, q_BxTxV: jax.Array | None = None):
+  """Recursive rejection over siblings, walking down from the anchor, with leniency λ.
+
+  At the current node with residual r (at first the target's p there), its children are tried in
+  index order. A child x drawn from law q (a point mass when `q_BxTxV` is None) is accepted with
+  probability min(1, t(x) / q(x)), t = (1-λ) r + λ q; on rejection r <- norm(max(t - q, 0)) and
+  the next sibling is tried; on acceptance the walk moves to x with r = p there. When no child
+  is accepted the bonus token is drawn from r. For a point mass this is: accept with
+  λ + (1-λ) r(x), else remove x from r. λ = 0 is exact (the output follows the target's law);
+  λ > 0 trades fidelity for acceptance (at most λ·TV(p, q) per token). Sibling laws must be
+  the exact laws each sibling was drawn from, renormalised after excluding earlier siblings.
+
+  Returns the same tuple as `accept_point_mass`.
+  """
+  B, T = tree.tokens_BxT.shape
+  p_BxTxV = sampling_lib.probs(target_logits_BxTxV, settings)
+  V = p_BxTxV.shape[-1]
+  # Point-mass siblings repeating an earlier token could never be accepted; skip them.
+  candidate = (reachable(tree) if q_BxTxV is None else tree.valid_BxT) & (jnp.arange(T) > 0)
+  keys = jax.vmap(lambda k: jax.random.split(k, T + 1))(rng_B)  # per node, + the bonus draw
+  u_BxT = jax.vmap(jax.vmap(jax.random.uniform))(keys[:, :T])
+  rows = jnp.arange(B)
+
+  def visit(j, carry):
+    node, r_BxV = carry
+    x = tree.tokens_BxT[:, j]
+    try_it = candidate[:, j] & (tree.parents_BxT[:, j] == node)
+    q_BxV = jax.nn.one_hot(x, V, dtype=jnp.float32) if q_BxTxV is None else q_BxTxV[:, j]
+    t_BxV = (1.0 - leniency) * r_BxV + leniency * q_BxV
+    ratio = t_BxV[rows, x] / jnp.maximum(q_BxV[rows, x], 1e-30)
+    accept = try_it & (u_BxT[:, j] < jnp.minimum(1.0, ratio))
+    rest = jnp.maximum(t_BxV - q_BxV, 0.0)
+    rest = rest / jnp.maximum(jnp.sum(rest, -1, keepdims=True), 1e-30)
+    r_BxV = jnp.where(accept[:, None], p_BxTxV[:, j], jnp.where(try_it[:, None], rest, r_BxV))
+    return jnp.where(accept, j, node), r_BxV
+
+  node, r_BxV = jax.lax.fori_loop(1, T, visit, (jnp.zeros((B,), jnp.int32), p_BxTxV[:, 0]))
+  bonus = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(keys[:, T], r_BxV)
+  if settings.greedy and leniency == 0.0:
+    bonus = jnp.argmax(r_BxV, -1)
+  return (node, jnp.take_along_axis(depth_BxT, node[:, None], 1)[:, 0], bonus.astype(jnp.int32),
+          path_to(node, anc_BxTxT, depth_BxT))

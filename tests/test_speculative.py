@@ -342,3 +342,93 @@ def test_invalid_spec_settings():
     SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, tree_budget=3)
   with pytest.raises(ValueError, match='method'):
     SP.SpecSettings(gen, method='magic')
+
+
+# ----------------------------------------------------------------------------------------------
+# Recursive rejection with sibling laws, and leniency λ.
+
+
+def chi2(counts, probs):
+  n = counts.sum()
+  support = probs > 0
+  assert counts[~support].sum() == 0, 'a token outside the support was emitted'
+  return float(np.sum((counts[support] - n * probs[support])**2 / (n * probs[support])))
+
+
+def first_token_law(tokens_fn, q_fn, p1, leniency=0.0, n=50000, V=5):
+  """Monte Carlo law of the first emitted token of accept_recursive on a one-level tree whose
+  children (tokens, claimed laws) are redrawn every trial."""
+  logits = jnp.log(jnp.asarray(np.stack([p1] + [np.full(V, 1.0 / V)] * 2), jnp.float32))[None]
+  parents = jnp.asarray([[0, 0, 0]])
+  settings = S.SamplingSettings(temperature=1.0)
+
+  def one(key):
+    k_draft, k_accept = jax.random.split(key)
+    tokens = tokens_fn(k_draft)
+    tree = tree_lib.Tree(jnp.concatenate([jnp.zeros((1,), jnp.int32), tokens])[None], parents,
+                         jnp.ones((1, 3), bool))
+    anc, depth = tree_lib.structure(tree)
+    _, n_acc, bonus, path = tree_lib.accept_recursive(tree, anc, depth, logits, settings,
+                                                      k_accept[None], leniency, q_fn(tokens))
+    return jnp.where(n_acc[0] >= 1, tree.tokens_BxT[0, path[0, 1]], bonus[0])
+
+  draws = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(1), n))
+  return np.bincount(np.asarray(draws), minlength=V)
+
+
+P1 = np.array([0.35, 0.25, 0.2, 0.15, 0.05])  # the target at the anchor
+PD = np.array([0.1, 0.5, 0.3, 0.05, 0.05])  # a drafter's distribution there (argmax: token 1)
+
+
+def excluding(dist, token):
+  out = dist.copy()
+  out[token] = 0
+  return out / out.sum()
+
+
+def test_recursive_rejection_with_sibling_laws_is_exact():
+  """Sibling 1: the drafter's argmax (a point mass); sibling 2: a draw from the drafter's law with
+  sibling 1's token removed (renormalised). The first token follows the target."""
+  a = int(np.argmax(PD))
+  q2 = excluding(PD, a)
+  tokens_fn = lambda k: jnp.asarray([a, jax.random.choice(k, 5, p=jnp.asarray(q2))], jnp.int32)
+  q_fn = lambda toks: jnp.asarray(np.stack([np.zeros(5), np.eye(5)[a], q2]), jnp.float32)[None]
+  counts = first_token_law(tokens_fn, q_fn, P1)
+  assert chi2(counts, P1) < 18.5  # 4 degrees of freedom, p ≈ 0.001
+
+
+def test_unrenormalised_second_law_is_detected():
+  """The known bias: claiming the second sibling came from the drafter's full law (not
+  renormalised after excluding the first sibling's token)."""
+  a = int(np.argmax(PD))
+  q2 = excluding(PD, a)
+  tokens_fn = lambda k: jnp.asarray([a, jax.random.choice(k, 5, p=jnp.asarray(q2))], jnp.int32)
+  q_bad = lambda toks: jnp.asarray(np.stack([np.zeros(5), np.eye(5)[a], PD]), jnp.float32)[None]
+  counts = first_token_law(tokens_fn, q_bad, P1)
+  assert chi2(counts, P1) > 100.0
+
+
+@pytest.mark.parametrize('lam', [0.0, 0.3, 0.8])
+def test_leniency_follows_its_formula(lam):
+  """One point-mass draft x: accepted with λ + (1-λ) p(x); else a draw from p without x."""
+  x = 2
+  tokens_fn = lambda k: jnp.asarray([x, x], jnp.int32)  # the duplicate is never tried
+  counts = first_token_law(tokens_fn, lambda toks: None, P1, leniency=lam)
+  accept = lam + (1 - lam) * P1[x]
+  law = (1 - accept) * excluding(P1, x)
+  law[x] = accept
+  assert chi2(counts, law) < 18.5
+  if lam == 0.0:
+    np.testing.assert_allclose(law, P1)  # λ = 0 is the exact sampler
+
+
+def test_leniency_in_the_loop(tiny):
+  """λ > 0 runs through the whole program; λ = 0 through the same path equals AR greedy."""
+  cfg, params = tiny
+  base = dict(generation=G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0), gamma=5)
+  ar, sp, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(**base, leniency=1e-9))
+  assert sp == ar  # a vanishing λ still matches greedy
+  _, lenient, state = run_both(cfg, params, PROMPTS, SP.SpecSettings(**base, leniency=0.9))
+  assert all(len(o) == 12 for o in lenient)
+  with pytest.raises(ValueError, match='leniency'):
+    SP.SpecSettings(**base, leniency=1.5)
