@@ -24,7 +24,9 @@ def get_config():
   c.drafter.norm_eps = 1e-5
 
   c.data = ml_collections.ConfigDict()
+  c.data.source = 'shards'  # 'shards' (gzip JSONL from d2sd_jax.distill) or 'tfds'
   c.data.path = 'data/distill'  # shards from python -m d2sd_jax.distill (target responses)
+  c.data.tfds_dir = 'data/tfds'  # python -m d2sd_jax.tfds_data --shards data/distill --data_dir ...
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
   c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
 

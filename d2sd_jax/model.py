@@ -137,17 +137,31 @@ def _linear(x_BxTxI, w_OxI):
   return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI)
 
 
-def write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
-  """cache[b, :, start_b:start_b+T] = new[b]: one in-place dynamic-update-slice per row.
+UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
 
-  (A scatter here made XLA:CPU copy the layer's whole cache every step.) Callers keep
-  start_b + T <= S: dynamic_update_slice clamps the start rather than dropping the write.
+
+def write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
+  """cache[b, :, start_b:start_b+T] = new[b].
+
+  Small batches: one in-place dynamic-update-slice per row (a scatter made XLA:CPU copy the
+  layer's whole cache every step). Large batches: one batched update (a scatter), which keeps
+  the program small. Callers keep start_b + T <= S (a start past that is clamped).
   """
   new_BxKxTxhd = new_BxKxTxhd.astype(cache_BxKxSxhd.dtype)
-  for b in range(cache_BxKxSxhd.shape[0]):
+  B = cache_BxKxSxhd.shape[0]
+  if B > UNROLL_ROWS:
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(
+        cache_BxKxSxhd, new_BxKxTxhd, start_B)
+  for b in range(B):
     cache_BxKxSxhd = jax.lax.dynamic_update_slice(cache_BxKxSxhd, new_BxKxTxhd[b:b + 1],
                                                   (b, 0, start_B[b], 0))
   return cache_BxKxSxhd
+
+
+def read_rows(cache_BxKxSxhd, start_B, length: int):
+  """cache[b, :, start_b:start_b+length] for every row: [B, K, length, hd]."""
+  return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, length, axis=1))(
+      cache_BxKxSxhd, start_B)
 
 
 def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):

@@ -163,13 +163,9 @@ def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int)
   verification pass) to consecutive slots cache_len + depth."""
 
   def layer(buf_BxKxSxhd):
-    B, K, _, hd = buf_BxKxSxhd.shape
-    for b in range(B):  # one small gather + in-place write per row
-      window = jax.lax.dynamic_slice(buf_BxKxSxhd[b], (0, cache_len_B[b], 0), (K, tree_size, hd))
-      moved = jnp.take(window, path_BxC[b], axis=1)
-      buf_BxKxSxhd = jax.lax.dynamic_update_slice(buf_BxKxSxhd, moved[None],
-                                                  (b, 0, cache_len_B[b], 0))
-    return buf_BxKxSxhd
+    window_BxKxTxhd = model_lib.read_rows(buf_BxKxSxhd, cache_len_B, tree_size)
+    moved = jnp.take_along_axis(window_BxKxTxhd, path_BxC[:, None, :, None], axis=2)
+    return model_lib.write_rows(buf_BxKxSxhd, moved, cache_len_B)
 
   return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
 

@@ -46,6 +46,8 @@ def validate(config) -> None:
   for name in ('batch_size', 'anchors_per_seq', 'steps'):
     if t[name] < 1:
       raise ValueError(f'train.{name}={t[name]} must be >= 1')
+  if config.data.source not in ('shards', 'tfds'):
+    raise ValueError(f"data.source={config.data.source!r}: use 'shards' or 'tfds'")
   if config.data.seq_len <= config.drafter.gamma:
     raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
                      f'{config.drafter.gamma}')
@@ -113,7 +115,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
   target = loaders.load_target(config.target, 'float32')
   dcfg = drafter_config(config)
   dcfg.check_target(target.cfg)
-  records = data_lib.read_records(config.data.path)
+  if config.data.source == 'tfds':  # the prepared TFDS copy (python -m d2sd_jax.tfds_data)
+    from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
+    records = tfds_data.read_records(config.data.tfds_dir)
+  else:
+    records = data_lib.read_records(config.data.path)
   data = data_lib.SequenceData(records, config.data.seq_len, target.tokenizer.pad_id,
                                config.data.eval_fraction)
   opt = optimizer(config)

@@ -432,3 +432,59 @@ def test_leniency_in_the_loop(tiny):
   assert all(len(o) == 12 for o in lenient)
   with pytest.raises(ValueError, match='leniency'):
     SP.SpecSettings(**base, leniency=1.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end at T > 0: the joint law of the first two generated tokens equals AR sampling's.
+
+
+def exact_two_token_law(cfg, params, prompt, settings):
+  """p(x1) p(x2 | x1) under the sampling transforms, enumerated from the model itself."""
+  def probs(seq):
+    return np.asarray(S.probs(_full_logits_last(cfg, params, jnp.asarray([seq])), settings),
+                      np.float64)
+  law = {}
+  p1 = probs(prompt)
+  for x1 in np.nonzero(p1)[0]:
+    p2 = probs(prompt + [int(x1)])
+    for x2 in np.nonzero(p2)[0]:
+      law[(int(x1), int(x2))] = p1[x1] * p2[x2]
+  return law
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _full_logits_last(cfg, params, tokens_1xT):
+  T = tokens_1xT.shape[1]
+  h, _, _ = M.forward(params, cfg, tokens_1xT, jnp.arange(T)[None], M.init_cache(cfg, 1, T),
+                      jnp.zeros((1,), jnp.int32))
+  return M.logits(params, cfg, h)[0, -1]
+
+
+@pytest.mark.parametrize('method', ['pld', 'dflash', 'dflash_resample', 'd2sd'])
+def test_sampled_joint_law_equals_ar(tiny, method):
+  cfg, params = tiny
+  prompt = [40, 12, 12, 12, 12, 12, 12]  # the tiny model likes repeating: lookup drafts hit
+  sampling = S.SamplingSettings(temperature=3.0, top_k=3)
+  gen = G.GenerationSettings(max_new_tokens=2, eos_ids=(), pad_id=0, sampling=sampling)
+  law = exact_two_token_law(cfg, params, prompt, sampling)
+  bundle = bundle_for(tiny) if method != 'pld' else {'target': params}
+  spec = SP.SpecSettings(gen, method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2,
+                         n_branches=2)
+  B, runs = 256, 4
+  block, lens = G.pad_prompts([prompt] * B, 0, bucket=8)
+  _, init, loop, _ = _jitted()
+  counts, accepted = {}, 0
+  for run in range(runs):
+    state = init(bundle, cfg, spec, block, lens, G.row_keys(run, range(B)),
+                 SP.cache_size_needed(block.shape[1], spec))
+    state = loop(bundle, cfg, spec, state)
+    out = np.asarray(SP.generated(state, 2))
+    accepted += int(state.accepted_hist_BxK[:, 1:].sum())
+    for x1, x2 in out.tolist():
+      counts[(x1, x2)] = counts.get((x1, x2), 0) + 1
+  n = B * runs
+  assert set(counts) <= set(law), 'a pair outside the support of the target law'
+  stat = sum((counts.get(k, 0) - n * p)**2 / (n * p) for k, p in law.items())
+  assert stat < 27.9  # <= 9 cells: p ≈ 0.0005 at 8 degrees of freedom
+  if method == 'pld':
+    assert accepted > 0.1 * n  # the drafts were accepted often enough to matter

@@ -25,7 +25,9 @@ def distill_dir(tmp_path_factory):
     lines = []
     for i in range(12):
       motif = rng.integers(0, 90, 5).tolist()
-      lines.append(json.dumps({'id': f'{shard}-{i}', 'prompt_ids': rng.integers(0, 90, 9).tolist(),
+      lines.append(json.dumps({'id': f'{shard}-{i}', 'style': 'complete_plain', 'prompt': 'p',
+                               'chat': False, 'source': 'fake',
+                               'prompt_ids': rng.integers(0, 90, 9).tolist(),
                                'response_ids': (motif * 8)[:30 + i]}))
     with gzip.open(path / f'shard-{shard:05d}.jsonl.gz', 'wt') as f:
       f.write('\n'.join(lines) + '\n')
@@ -96,6 +98,18 @@ def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill
   shutil.move(str(ckpts / '6'), str(tmp_path / 'damaged-6'))
   out = training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=9))
   assert out['step'] == 9
+
+
+def test_training_reads_the_tfds_copy(tiny_folder, distill_dir, tmp_path):
+  from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
+  prepared = tfds_data.prepare(distill_dir, str(tmp_path / 'tfds'))
+  c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run'), steps=3)
+  c.data.update(source='tfds', tfds_dir=str(tmp_path / 'tfds'), path='/nonexistent')
+  from_tfds = training.run(c)
+  from_shards = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run2'), steps=3))
+  assert os.path.isdir(prepared)
+  for x, y in zip(jax.tree.leaves(from_tfds['params']), jax.tree.leaves(from_shards['params'])):
+    np.testing.assert_array_equal(x, y)  # same records, same order, same batches
 
 
 def test_bad_training_configs(tiny_folder, distill_dir, tmp_path):
