@@ -488,3 +488,29 @@ def test_sampled_joint_law_equals_ar(tiny, method):
   assert stat < 27.9  # <= 9 cells: p ≈ 0.0005 at 8 degrees of freedom
   if method == 'pld':
     assert accepted > 0.1 * n  # the drafts were accepted often enough to matter
+
+
+def test_d2sd_on_smollm2_equals_reference_greedy(smollm2):
+  """The full method (random small drafters: acceptance is rare, losslessness is the point) on
+  the real target and the reference prompts, one batch of 6 lengths."""
+  import json
+  import os
+  with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.json')) as f:
+    cases = json.load(f)['generation_cases']
+  tcfg, tok = smollm2.cfg, smollm2.tokenizer
+  small = D.DrafterConfig(gamma=6, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                          d_ff=128, feature_layers=(1, 15, 30))
+  bundle = {'target': smollm2.params,
+            'drafter1': D.init_params(small, tcfg, jax.random.PRNGKey(1)),
+            'drafter2': D.init_params(small, tcfg, jax.random.PRNGKey(2))}
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=tok.pad_id),
+                         method='d2sd', gamma=6, drafter1=small, drafter2=small, n_branches=2)
+  block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
+  _, init, loop, _ = _jitted()
+  state = init(bundle, tcfg, spec, block, lens, G.row_keys(0, range(len(cases))),
+               SP.cache_size_needed(block.shape[1], spec))
+  state = loop(bundle, tcfg, spec, state)
+  out = SP.generated(state, 16)
+  for b, case in enumerate(cases):
+    n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 16)
+    assert out[b, :min(n, 16)].tolist() == case['greedy_ids'][:min(n, 16)], case['prompt']
