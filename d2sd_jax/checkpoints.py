@@ -89,6 +89,8 @@ def load_drafter(path: str, target: loaders.Target):
   check_metadata(meta, target, os.path.join(directory, str(step)))
   d = dict(meta['drafter'])
   d['feature_layers'] = tuple(d['feature_layers'])
+  d['confidence_temperature'] = meta.get('confidence_temperature', d.get('confidence_temperature',
+                                                                          1.0))
   dcfg = drafter_lib.DrafterConfig(**d)
   abstract = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, target.cfg,
                                                             jax.random.PRNGKey(0)))

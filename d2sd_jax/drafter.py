@@ -36,6 +36,7 @@ class DrafterConfig:
   rope_base: float = 100000.0
   norm_eps: float = 1e-5
   dtype: str = 'float32'
+  confidence_temperature: float = 1.0  # c = max softmax(logits / T), T fitted on held-out data
 
   def __post_init__(self):
     if self.gamma < 2:
@@ -164,7 +165,8 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
                      ctx_mask_BxS, block_mask)
     probs = jax.nn.softmax(logits, axis=-1)
-    conf, pred = jnp.max(probs, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    conf = jnp.max(jax.nn.softmax(logits / dcfg.confidence_temperature, axis=-1), axis=-1)
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if steps == 1:
       pick = is_mask
     else:

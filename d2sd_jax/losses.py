@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from d2sd_jax import calibration
 from d2sd_jax import drafter as drafter_lib
 
 
@@ -58,7 +59,8 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
 
 
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
-                 features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG):
+                 features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG,
+                 calibrate: bool = False):
   """Weighted cross-entropy at masked block positions whose label is a target output.
 
   Returns (loss, metrics): metrics['acc_by_pos'] [G] is the top-1 agreement with the labels per
@@ -77,5 +79,14 @@ def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_Bx
   hit = (jnp.argmax(logits, -1) == tokens) & valid
   acc_by_pos = jnp.sum(hit.reshape(B * A, G), 0) / jnp.maximum(
       jnp.sum(valid.reshape(B * A, G), 0), 1)
-  return loss, {'loss': loss, 'acc_by_pos': acc_by_pos,
-                'count_by_pos': jnp.sum(valid.reshape(B * A, G), 0)}
+  metrics = {'loss': loss, 'acc_by_pos': acc_by_pos,
+             'count_by_pos': jnp.sum(valid.reshape(B * A, G), 0)}
+  if calibrate:  # (costly: evaluation only) confidence bins of P(correct | earlier correct)
+    hit_blocks = (hit | ~valid).reshape(B * A, G)
+    earlier_ok = jnp.cumprod(
+        jnp.concatenate([jnp.ones((B * A, 1), bool), hit_blocks[:, :-1]], 1).astype(jnp.int32),
+        1).astype(bool).reshape(B, A * G)
+    metrics['calibration'] = calibration.bin_stats(
+        logits.reshape(B * A * G, -1), hit.reshape(-1),
+        (valid & earlier_ok).reshape(-1).astype(jnp.float32))
+  return loss, metrics

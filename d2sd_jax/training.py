@@ -21,6 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
+from d2sd_jax import calibration
 from d2sd_jax import checkpoints as ckpt
 from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
@@ -87,7 +88,7 @@ def sample_blocks(key, label_mask_BxL, config, gamma: int):
 
 def make_train_step(config, tcfg, dcfg, opt):
 
-  def loss_fn(dparams, tparams, tokens, label_mask, key):
+  def loss_fn(dparams, tparams, tokens, label_mask, key, calibrate=False):
     B, L = tokens.shape
     _, _, feats = model_lib.forward(tparams, tcfg, tokens, jnp.broadcast_to(jnp.arange(L), (B, L)),
                                     model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
@@ -95,7 +96,7 @@ def make_train_step(config, tcfg, dcfg, opt):
     feats = jax.lax.stop_gradient(drafter_lib.features_of(feats))
     anchors, prefix, weights = sample_blocks(key, label_mask, config, dcfg.gamma)
     return losses.drafter_loss(dparams, dcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
-                               prefix, weights)
+                               prefix, weights, calibrate)
 
   def train_step(dparams, opt_state, tparams, tokens, label_mask, key):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(dparams, tparams, tokens,
@@ -105,7 +106,7 @@ def make_train_step(config, tcfg, dcfg, opt):
     return optax.apply_updates(dparams, updates), opt_state, metrics
 
   def eval_step(dparams, tparams, tokens, label_mask, key):
-    return loss_fn(dparams, tparams, tokens, label_mask, key)[1]
+    return loss_fn(dparams, tparams, tokens, label_mask, key, calibrate=True)[1]
 
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
@@ -169,6 +170,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
         f.write(json.dumps(last) + '\n')
     if config.eval_every and (step + 1) % config.eval_every == 0 and data.size('eval'):
       last['eval'] = evaluate(eval_step, dparams, target, data, config, key0)
+      meta['confidence_temperature'] = last['eval']['confidence_temperature']
       with open(log_path, 'a') as f:
         f.write(json.dumps({'step': step + 1, 'eval': last['eval']}) + '\n')
     if (step + 1) % config.save_every == 0 or step + 1 == config.train.steps:
@@ -183,7 +185,7 @@ def evaluate(eval_step, dparams, target, data, config, key0) -> dict:
   (tau ≈ 1 + sum_k prod_{j<=k} acc_j, treating positions as independent)."""
   B = config.train.batch_size
   n = max(1, data.size('eval') // B)
-  acc_sum, cnt_sum, loss_sum = 0, 0, 0.0
+  acc_sum, cnt_sum, loss_sum, calib = 0, 0, 0.0, 0
   for i in range(n):
     tokens, labels = data.batch(i, B, 0, split='eval')
     m = jax.device_get(eval_step(dparams, target.params, tokens, labels,
@@ -191,7 +193,12 @@ def evaluate(eval_step, dparams, target, data, config, key0) -> dict:
     acc_sum = acc_sum + m['acc_by_pos'] * m['count_by_pos']
     cnt_sum = cnt_sum + m['count_by_pos']
     loss_sum += float(m['loss'])
+    calib = calib + m['calibration']
   acc = acc_sum / np.maximum(cnt_sum, 1)
   tau = 1.0 + float(np.sum(np.cumprod(acc[1:])))
+  temperature, ece_after, ece_before = calibration.fit_temperature(calib)
+  best = list(calibration.TEMPERATURES).index(temperature)
   return {'loss': loss_sum / n, 'acc_by_pos': [round(float(a), 4) for a in acc],
-          'tau_estimate': round(tau, 3)}
+          'tau_estimate': round(tau, 3), 'ece': round(ece_before, 4),
+          'confidence_temperature': temperature, 'ece_calibrated': round(ece_after, 4),
+          'reliability_calibrated': calibration.reliability(calib[best])}

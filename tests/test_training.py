@@ -62,6 +62,7 @@ def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
   losses = [l['loss'] for l in lines if 'loss' in l]
   assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5])
   assert out['eval']['tau_estimate'] >= 1.0
+  assert 0.0 <= out['eval']['ece'] <= 1.0 and out['eval']['confidence_temperature'] > 0
   assert out['tokens_per_s'] > 0
 
 
@@ -137,6 +138,7 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   checkpoints.export_drafter(d2, str(tmp_path / 'd2-export'), target)
   dcfg, params, meta = checkpoints.load_drafter(str(tmp_path / 'd2-export'), target)
   assert meta['kind'] == 'drafter2' and dcfg.gamma == 4
+  assert dcfg.confidence_temperature == meta['confidence_temperature']  # fitted at step 3
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
 
   def decode(**overrides):
