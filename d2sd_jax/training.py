@@ -143,7 +143,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
         params=ocp.args.StandardSave(dparams), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta)), force=True)
 
-  log_path = os.path.join(workdir, 'metrics.jsonl')
+  log = MetricsLog(workdir)
   key0 = jax.random.PRNGKey(config.train.seed)
   B, L = config.train.batch_size, config.data.seq_len
   last = {}
@@ -166,18 +166,41 @@ def run(config: ml_collections.ConfigDict) -> dict:
               'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
               'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
       bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
-      with open(log_path, 'a') as f:
-        f.write(json.dumps(last) + '\n')
+      log.write(step + 1, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
+                                 'train/acc_pos1': last['acc_by_pos'][1],
+                                 'train/tokens_per_s': last['tokens_per_s']})
     if config.eval_every and (step + 1) % config.eval_every == 0 and data.size('eval'):
       last['eval'] = evaluate(eval_step, dparams, target, data, config, key0)
       meta['confidence_temperature'] = last['eval']['confidence_temperature']
-      with open(log_path, 'a') as f:
-        f.write(json.dumps({'step': step + 1, 'eval': last['eval']}) + '\n')
+      ev = last['eval']
+      log.write(step + 1, {'step': step + 1, 'eval': ev},
+                {'eval/loss': ev['loss'], 'eval/tau_estimate': ev['tau_estimate'],
+                 'eval/ece': ev['ece'], 'eval/ece_calibrated': ev['ece_calibrated']})
     if (step + 1) % config.save_every == 0 or step + 1 == config.train.steps:
       save(step + 1)
   manager.wait_until_finished()
+  log.close()
   last['params'] = dparams
   return last
+
+
+class MetricsLog:
+  """Metrics as JSON lines (metrics.jsonl) and TensorBoard event files (tb/) in the workdir."""
+
+  def __init__(self, workdir: str):
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.tb = SummaryWriter(os.path.join(workdir, 'tb'))
+
+  def write(self, step: int, record: dict, scalars: dict):
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+    for name, value in scalars.items():
+      self.tb.add_scalar(name, value, step)
+    self.tb.flush()
+
+  def close(self):
+    self.tb.close()
 
 
 def evaluate(eval_step, dparams, target, data, config, key0) -> dict:

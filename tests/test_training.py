@@ -63,6 +63,7 @@ def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
   assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5])
   assert out['eval']['tau_estimate'] >= 1.0
   assert 0.0 <= out['eval']['ece'] <= 1.0 and out['eval']['confidence_temperature'] > 0
+  assert any(f.startswith('events.out.tfevents') for f in os.listdir(tmp_path / kind / 'tb'))
   assert out['tokens_per_s'] > 0
 
 
