@@ -514,3 +514,15 @@ def test_d2sd_on_smollm2_equals_reference_greedy(smollm2):
   for b, case in enumerate(cases):
     n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 16)
     assert out[b, :min(n, 16)].tolist() == case['greedy_ids'][:min(n, 16)], case['prompt']
+
+
+def test_soft_q_for_an_argmax_draft_is_detected_in_the_sampler():
+  """Verifying the drafter's argmax as if it were drawn from the drafter's soft law (the bias of
+  several public implementations) moves the output law away from the target's."""
+  a = int(np.argmax(PD))
+  tokens_fn = lambda k: jnp.asarray([a, a], jnp.int32)  # the duplicate is a no-op
+  soft = lambda toks: jnp.asarray(np.stack([np.zeros(5), PD, PD]), jnp.float32)[None]
+  point = lambda toks: jnp.asarray(np.stack([np.zeros(5), np.eye(5)[a], np.eye(5)[a]]),
+                                   jnp.float32)[None]
+  assert chi2(first_token_law(tokens_fn, point, P1), P1) < 18.5
+  assert chi2(first_token_law(tokens_fn, soft, P1), P1) > 100.0
