@@ -10,8 +10,9 @@ Branch points (D²SD step 2): with c_k drafter 1's confidence at position k, the
 exactly i tokens are accepted is r(i) = c_1 ⋯ c_i (1 - c_{i+1}); the K largest r(i) choose the
 branches, each keeping the anchor + the first i tokens and re-drafting the rest.
 
-All drafts are verified as point masses by sample-and-match, which is exact for any candidate
-tree built without the target's random draws (see tree.py).
+Deterministic drafts are verified as point masses by sample-and-match, exact for any candidate
+tree built without the target's random draws; resampled branches carry their exact proposal
+laws and are verified by recursive rejection (see tree.py).
 """
 from __future__ import annotations
 
@@ -110,6 +111,10 @@ def branched(params, cfg, settings, state) -> tree_lib.Tree:
     logp = jnp.where(first[..., None] & is_chain_token, -jnp.inf, logp)
     drawn = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(key, logp)
     branch_tokens = jnp.where(keep, prefix, drawn).astype(jnp.int32)
+    # The exact law of each drawn token (renormalised after the exclusion), so verification can
+    # use recursive rejection, which accepts sampled drafts more often than sample-and-match.
+    return pack_tree(state.anchor_B, chain_tokens, branch_tokens, cut_BxK, settings.tree_size,
+                     branch_laws_BxKxGxV=jax.nn.softmax(logp, axis=-1))
   else:
     name = 'drafter2' if settings.method == 'd2sd' else 'drafter1'
     branch_tokens, _, _ = _denoise(params, cfg, settings, state, name, prefix,
@@ -117,9 +122,11 @@ def branched(params, cfg, settings, state) -> tree_lib.Tree:
   return pack_tree(state.anchor_B, chain_tokens, branch_tokens, cut_BxK, settings.tree_size)
 
 
-def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int) -> tree_lib.Tree:
+def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
+              branch_laws_BxKxGxV=None) -> tree_lib.Tree:
   """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
-  until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0)."""
+  until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0).
+  With `branch_laws`, the tree carries each node's proposal law (chain nodes: point masses)."""
   B, K, G = branches_BxKxG.shape
   p = jnp.arange(G)
   new = p[None, None] > cut_BxK[..., None]  # [B, K, G]
@@ -136,7 +143,12 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int) -> tree_l
   tokens = tokens.at[rows, flat(dest)].set(flat(branches_BxKxG), mode='drop')
   parents = parents.at[rows, flat(dest)].set(flat(parent).astype(jnp.int32), mode='drop')
   valid = valid.at[rows, flat(dest)].set(True, mode='drop')
-  return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid)
+  q = None
+  if branch_laws_BxKxGxV is not None:
+    V = branch_laws_BxKxGxV.shape[-1]
+    q = jnp.zeros((B, size, V), jnp.float32).at[:, :G].set(jax.nn.one_hot(tokens[:, :G], V))
+    q = q.at[rows, flat(dest)].set(branch_laws_BxKxGxV.reshape(B, K * G, V), mode='drop')
+  return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid, q_BxTxV=q)
 
 
 METHODS = {'pld': pld, 'dflash': dflash, 'dflash_resample': branched, 'dflash_dflash': branched,

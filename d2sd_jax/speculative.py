@@ -205,10 +205,13 @@ def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tr
   rows = jnp.arange(B)
   live_B = ~state.done_B
   cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
-  if settings.leniency > 0:  # point-mass drafts, accepted with λ + (1-λ) r(x)
+  sampled_drafts = tree.q_BxTxV is not None and not gen.sampling.greedy
+  if settings.leniency > 0 or sampled_drafts:
+    # Recursive rejection over siblings: drafts with their laws (point masses when none),
+    # accepted with min(1, t(x)/q(x)), t = (1-λ) r + λ q.
     _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_recursive(
         tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys,
-        leniency=settings.leniency)
+        leniency=settings.leniency, q_BxTxV=tree.q_BxTxV)
   else:  # exact: sample-and-match (greedy matching at T = 0)
     _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
         tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys)

@@ -19,6 +19,9 @@ class Tree:
   tokens_BxT: jax.Array  # int32, node 0 = anchor
   parents_BxT: jax.Array  # int32, parent index (node 0: 0)
   valid_BxT: jax.Array  # bool, node 0 always True
+  # The law each node's token was drawn from, for recursive rejection ([B, T, V]); None: every
+  # draft is a point mass (deterministic), verified by sample-and-match.
+  q_BxTxV: jax.Array | None = None
 
   @property
   def size(self) -> int:
