@@ -1,5 +1,4 @@
 """Autoregressive generation: reference equivalence, batching, EOS, sampling laws, one program."""
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,25 +6,17 @@ import numpy as np
 import pytest
 
 from d2sd_jax import generate as G
-from d2sd_jax import model as M
 from d2sd_jax import sampling as S
+from spec_helpers import full_last_logits
 
 run = jax.jit(G.generate, static_argnums=(1, 2, 6))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _full_logits(cfg, params, tokens_1xT):
-  T = tokens_1xT.shape[1]
-  h, _, _ = M.forward(params, cfg, tokens_1xT, jnp.arange(T)[None], M.init_cache(cfg, 1, T),
-                      jnp.zeros((1,), jnp.int32))
-  return M.logits(params, cfg, h)[0, -1]
 
 
 def reference_greedy(cfg, params, prompt, n, eos_ids=()):
   """Greedy decoding by full recomputation: no cache, no batching, a Python loop."""
   seq, out = list(prompt), []
   for _ in range(n):
-    token = int(jnp.argmax(_full_logits(cfg, params, jnp.asarray([seq]))))
+    token = int(jnp.argmax(full_last_logits(cfg, params, jnp.asarray([seq]))))
     out.append(token)
     seq.append(token)
     if token in eos_ids:
