@@ -211,6 +211,7 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
     # A short last batch is filled with copies of its first row (same program, outputs dropped).
     batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
     block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
+    block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
     keys = G.row_keys(config.seed, rows + [rows[0]] * (B - len(rows)))
     if start == 0:
       first_batch = (block, lens, keys)

@@ -90,6 +90,17 @@ def test_bad_input_is_explained(tiny_folder, overrides, error, match):
     decoding.run(config_for(tiny_folder, chat=False, **overrides), out=io.StringIO())
 
 
+def test_prompt_padding_beyond_a_small_cache(tiny_folder, tmp_path):
+  """A 65-token prompt pads to 128 columns, more than a 100-slot cache: still exact."""
+  ids = {}
+  for cache_len in (100, 2048):
+    out = tmp_path / f'{cache_len}.jsonl'
+    run(config_for(tiny_folder, prompt='y' * 65, chat=False, max_new_tokens=10,
+                   cache_len=cache_len, output=str(out)))
+    ids[cache_len] = json.loads(out.read_text())['completion_ids']
+  assert len(ids[100]) == 10 and ids[100] == ids[2048]
+
+
 def test_bad_prompts_file_lines(tiny_folder, tmp_path):
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
