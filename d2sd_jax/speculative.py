@@ -56,6 +56,10 @@ class SpecSettings:
                          f'gamma={self.gamma}: set gamma={dcfg.gamma}')
     if self.method in drafting.BRANCHED and not 1 <= self.n_branches <= self.gamma - 1:
       raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
+    if self.steps < 1:
+      raise ValueError(f'steps={self.steps} must be >= 1 (denoising passes per block)')
+    if self.order not in ('confidence', 'left_to_right'):
+      raise ValueError(f"order={self.order!r}: use 'confidence' or 'left_to_right'")
     if not 0.0 <= self.leniency <= 1.0:
       raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
     if self.tree_budget and self.tree_budget < self.gamma:

@@ -235,6 +235,10 @@ def test_invalid_spec_settings():
     SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, tree_budget=3)
   with pytest.raises(ValueError, match='method'):
     SP.SpecSettings(gen, method='magic')
+  with pytest.raises(ValueError, match='steps'):
+    SP.SpecSettings(gen, method='dflash', gamma=5, drafter1=DCFG, steps=0)
+  with pytest.raises(ValueError, match='order'):
+    SP.SpecSettings(gen, method='dflash', gamma=5, drafter1=DCFG, order='random')
 
 
 # ----------------------------------------------------------------------------------------------
