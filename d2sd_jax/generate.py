@@ -58,17 +58,29 @@ def is_eos(tokens, eos_ids):
   return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params, cfg: model_lib.ModelConfig, settings: GenerationSettings, prompt_BxP,
-            prompt_len_B, row_key_B, cache_size: int) -> DecodeState:
-  """Fills the cache with the prompts and samples each row's first new token."""
+def prefill_prompts(params, cfg: model_lib.ModelConfig, settings: GenerationSettings,
+                    prompt_BxP, prompt_len_B, row_key_B, cache_size: int,
+                    feature_layers: tuple[int, ...] = ()):
+  """The prompts through the target into a fresh cache, and each row's first new token.
+
+  Returns (first token [B], cache, features of the prompt tokens or None)."""
   B, P = prompt_BxP.shape
-  cache = model_lib.init_cache(cfg, B, cache_size)
   positions_BxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  hidden_BxPxD, cache, _ = model_lib.forward(params, cfg, prompt_BxP, positions_BxP, cache,
-                                             jnp.zeros((B,), jnp.int32))
+  hidden_BxPxD, cache, feats = model_lib.forward(
+      params, cfg, prompt_BxP, positions_BxP, model_lib.init_cache(cfg, B, cache_size),
+      jnp.zeros((B,), jnp.int32), feature_layers=feature_layers)
   last_BxD = jnp.take_along_axis(hidden_BxPxD, (prompt_len_B - 1)[:, None, None], axis=1)
   logits_BxV = model_lib.logits(params, cfg, last_BxD)[:, 0]
   token_B = sample_rows(logits_BxV, row_key_B, jnp.zeros((B,), jnp.int32), settings.sampling)
+  return token_B, cache, feats
+
+
+def prefill(params, cfg: model_lib.ModelConfig, settings: GenerationSettings, prompt_BxP,
+            prompt_len_B, row_key_B, cache_size: int) -> DecodeState:
+  """Fills the cache with the prompts and samples each row's first new token."""
+  B = prompt_BxP.shape[0]
+  token_B, cache, _ = prefill_prompts(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B,
+                                      cache_size)
   out_BxN = jnp.full((B, settings.max_new_tokens), settings.pad_id, jnp.int32).at[:, 0].set(token_B)
   done_B = is_eos(token_B, settings.eos_ids) | (settings.max_new_tokens <= 1)
   return DecodeState(cache=cache, cache_len_B=prompt_len_B.astype(jnp.int32), last_token_B=token_B,

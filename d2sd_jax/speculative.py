@@ -134,13 +134,10 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
   """Prefill the prompts (target cache and drafter contexts) and commit each row's first token."""
   gen = settings.generation
   B, P = prompt_BxP.shape
+  first_B, cache, feats = generate_lib.prefill_prompts(
+      params['target'], cfg, gen, prompt_BxP, prompt_len_B, row_key_B, cache_size,
+      settings.feature_layers)
   positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  hidden, cache, feats = model_lib.forward(
-      params['target'], cfg, prompt_BxP, positions, model_lib.init_cache(cfg, B, cache_size),
-      jnp.zeros((B,), jnp.int32), feature_layers=settings.feature_layers)
-  last = jnp.take_along_axis(hidden, (prompt_len_B - 1)[:, None, None], axis=1)
-  first_B = generate_lib.sample_rows(model_lib.logits(params['target'], cfg, last)[:, 0],
-                                     row_key_B, jnp.zeros((B,), jnp.int32), gen.sampling)
   caches = {name: drafter_lib.init_context_cache(getattr(settings, name), B, cache_size)
             for name in settings.drafters}
   caches = _write_drafter_context(params, settings, caches, feats, positions,
