@@ -10,9 +10,10 @@ def get_config():
   c.kind = 'drafter1'  # 'drafter1' (anchor + all masks) or 'drafter2' (variable prefix)
   c.target = 'smollm2'  # the target the drafter learns (must match at decode time)
   c.workdir = 'runs/drafter1'  # checkpoints/ and metrics.jsonl go here; rerun to resume
+  c.init_from = ''  # a drafter (workdir or export) whose weights start this run (drafter 2: 1's)
 
   c.drafter = ml_collections.ConfigDict()
-  c.drafter.gamma = 16  # block length: anchor + gamma-1 drafted tokens
+  c.drafter.gamma = 8  # block: anchor + gamma-1 drafts (8 suits CPU verification; 16 on GPU/TPU)
   c.drafter.n_layers = 2  # transformer layers
   c.drafter.d_model = 576  # width (576 = the target's: no in/out projections)
   c.drafter.n_heads = 9
@@ -22,6 +23,7 @@ def get_config():
   c.drafter.feature_layers = (1, 10, 20, 29)  # target hidden states fed to the drafter
   c.drafter.rope_base = 100000.0
   c.drafter.norm_eps = 1e-5
+  c.drafter.head_vocab = 8192  # the drafter predicts only the data's 8192 likeliest tokens (0: all)
 
   c.data = ml_collections.ConfigDict()
   c.data.source = 'shards'  # 'shards' (gzip JSONL from d2sd_jax.distill) or 'tfds'
@@ -32,13 +34,14 @@ def get_config():
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 4  # sequences per step
-  c.train.anchors_per_seq = 24  # blocks drawn per sequence (all in one drafter pass)
+  c.train.anchors_per_seq = 48  # blocks drawn per sequence (all in one drafter pass)
   c.train.steps = 4000
   c.train.lr = 1e-3  # peak AdamW learning rate (warmup, then cosine to 10 %)
-  c.train.warmup = 100
+  c.train.warmup = 200
   c.train.weight_decay = 0.01
   c.train.clip = 1.0  # global gradient-norm clip
   c.train.seed = 0
+  c.train.precompute_features = True  # teacher features once, to a float16 file (False: in-step)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.decay = 4.0  # drafter 1: position weights exp(-(k-1)/decay)
@@ -46,7 +49,7 @@ def get_config():
   c.loss.tau = 4.0  # drafter 2: weights exp(-(k-l-1)/tau)
 
   c.log_every = 10  # steps between metrics lines
-  c.eval_every = 250  # steps between held-out evaluations (0 = never)
+  c.eval_every = 500  # steps between held-out evaluations (0 = never)
   c.save_every = 100  # steps between checkpoints
   c.keep = 3  # checkpoints kept
   c.progress_bar = True

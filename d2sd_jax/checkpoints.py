@@ -95,9 +95,15 @@ def load_drafter(path: str, target: loaders.Target):
   abstract = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, target.cfg,
                                                             jax.random.PRNGKey(0)))
   if meta.get('param_dtype', 'float32') != 'float32':
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, meta['param_dtype']), abstract)
+    abstract = jax.tree.map(lambda x: x if _is_int(x) else jax.ShapeDtypeStruct(
+        x.shape, meta['param_dtype']), abstract)
   params = restore(mngr, step, target, {'params': abstract})['params']
-  return dcfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), meta
+  return dcfg, jax.tree.map(lambda x: x if _is_int(x) else jnp.asarray(x, jnp.float32),
+                            params), meta
+
+
+def _is_int(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.integer)
 
 
 def export_drafter(workdir: str, out: str, target: loaders.Target, dtype: str = 'bfloat16'):
@@ -106,7 +112,7 @@ def export_drafter(workdir: str, out: str, target: loaders.Target, dtype: str = 
   dcfg, params, meta = load_drafter(workdir, target)
   out_mngr = manager(out, keep=1)
   step = manager(os.path.join(workdir, 'checkpoints'), create=False).latest_step()
-  params = jax.tree.map(lambda x: x.astype(dtype), params)
+  params = jax.tree.map(lambda x: x if _is_int(x) else x.astype(dtype), params)
   out_mngr.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(params),
       meta=ocp.args.JsonSave({**meta, 'param_dtype': dtype})), force=True)

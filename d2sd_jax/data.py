@@ -68,12 +68,24 @@ class SequenceData:
   def size(self, split: str = 'train') -> int:
     return len(self.tokens[split])
 
-  def batch(self, step: int, batch_size: int, seed: int, split: str = 'train'):
-    """The batch of `step`: epoch e = step*B // N uses permutation(seed, e)."""
+  def indices(self, step: int, batch_size: int, seed: int, split: str = 'train') -> np.ndarray:
+    """Which sequences make the batch of `step`: epoch e = step*B // N uses
+    permutation(seed, e)."""
     n = self.size(split)
     idx = []
     for i in range(step * batch_size, (step + 1) * batch_size):
       epoch, pos = divmod(i, n)
       perm = np.random.default_rng([seed, epoch]).permutation(n)
       idx.append(perm[pos])
+    return np.asarray(idx)
+
+  def batch(self, step: int, batch_size: int, seed: int, split: str = 'train'):
+    idx = self.indices(step, batch_size, seed, split)
     return self.tokens[split][idx], self.labels[split][idx]
+
+  def token_counts(self, vocab_size: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(response, prompt) token counts [V] over the training windows (head_vocab choice)."""
+    tokens, labels = self.tokens['train'], self.labels['train']
+    response = np.bincount(tokens[labels], minlength=vocab_size)
+    prompt = np.bincount(tokens[~labels & (tokens != pad_id)], minlength=vocab_size)
+    return response, prompt

@@ -11,6 +11,9 @@ Drafter parameters (a plain pytree):
   fc [W, n_feat * D_target], fc_norm [W], mask_embed [D_target], final_norm [W],
   layers: list of target-style layer dicts (see model.py), width W,
   in_proj [W, D_target], out_proj [D_target, W]   (only when W != D_target)
+  head_ids [N] int32   (only when head_vocab = N > 0: the drafter predicts only these tokens,
+                        the rows of the target's head it uses; fixed, chosen from the training
+                        data by `choose_head_ids`, not trained)
 The context K/V cache has the target cache's layout: per layer {'k', 'v'}: [B, KVH, S, hd].
 """
 from __future__ import annotations
@@ -37,12 +40,15 @@ class DrafterConfig:
   norm_eps: float = 1e-5
   dtype: str = 'float32'
   confidence_temperature: float = 1.0  # c = max softmax(logits / T), T fitted on held-out data
+  head_vocab: int = 0  # 0: the target's whole vocabulary; N: only N tokens (a cheaper head)
 
   def __post_init__(self):
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus one drafted token)')
     if not self.feature_layers:
       raise ValueError('feature_layers must name at least one target layer')
+    if self.head_vocab < 0:
+      raise ValueError(f'head_vocab={self.head_vocab} must be 0 (whole vocabulary) or > 0')
 
   def layer_config(self, vocab_size: int) -> model_lib.ModelConfig:
     return model_lib.ModelConfig(
@@ -55,6 +61,9 @@ class DrafterConfig:
     if bad:
       raise ValueError(f'feature_layers {bad} outside the target\'s 0..{tcfg.n_layers} hidden '
                        'states: pick layers the target has')
+    if self.head_vocab > tcfg.vocab_size:
+      raise ValueError(f'head_vocab={self.head_vocab} exceeds the target\'s vocabulary of '
+                       f'{tcfg.vocab_size}: use at most that, or 0 for all of it')
 
 
 def init_params(dcfg: DrafterConfig, tcfg: model_lib.ModelConfig, key: jax.Array) -> dict:
@@ -74,10 +83,37 @@ def init_params(dcfg: DrafterConfig, tcfg: model_lib.ModelConfig, key: jax.Array
       'final_norm': jnp.ones((W,), dt),
       'layers': layers,
   }
+  if dcfg.head_vocab:
+    params['head_ids'] = jnp.arange(dcfg.head_vocab, dtype=jnp.int32)  # see choose_head_ids
   if W != Dt:
     params['in_proj'] = (jax.random.normal(k_in, (W, Dt)) * Dt**-0.5).astype(dt)
     params['out_proj'] = (jax.random.normal(k_out, (Dt, W)) * W**-0.5).astype(dt)
   return params
+
+
+def choose_head_ids(response_counts_V, prompt_counts_V, n: int) -> jax.Array:
+  """The drafter's n head tokens, ascending: the most frequent in the training responses (what
+  it must predict), then in the prompts (what responses copy), then the lowest ids (BPE ids
+  run roughly from frequent to rare)."""
+  resp, prompt = jnp.asarray(response_counts_V), jnp.asarray(prompt_counts_V)
+  order = jnp.lexsort((jnp.arange(resp.shape[0]), -prompt, -resp))
+  return jnp.sort(order[:n]).astype(jnp.int32)
+
+
+def split_fixed(dparams: dict) -> tuple[dict, dict]:
+  """(trainable, fixed) parts of drafter parameters: head_ids is data, not a weight."""
+  fixed = {k: v for k, v in dparams.items() if k == 'head_ids'}
+  return {k: v for k, v in dparams.items() if k != 'head_ids'}, fixed
+
+
+def head_index(dparams: dict, tokens, vocab_size: int):
+  """Where each token sits in the drafter's head (-1: the head cannot predict it)."""
+  if 'head_ids' not in dparams:
+    return tokens
+  ids = dparams['head_ids']
+  inverse = jnp.full((vocab_size,), -1, jnp.int32).at[ids].set(
+      jnp.arange(ids.shape[0], dtype=jnp.int32))
+  return inverse[tokens]
 
 
 def init_context_cache(dcfg: DrafterConfig, batch: int, max_len: int) -> model_lib.Cache:
@@ -111,8 +147,11 @@ def features_of(hidden_features_BxNxLxD):
 
 
 def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, tokens_BxQ,
-            is_mask_BxQ, positions_BxQ, ctx_cache, ctx_mask, block_mask_BxQxQ):
+            is_mask_BxQ, positions_BxQ, ctx_cache, ctx_mask, block_mask_BxQxQ,
+            head_only: bool = False):
   """Logits [B, Q, V] (float32) for Q block positions (one or several blocks side by side).
+  With a head_vocab subset they are -inf outside it; head_only=True returns [B, Q, N], the
+  logits of the head's N tokens only (training: no vocabulary-sized tensors).
 
   ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
   block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
@@ -128,7 +167,15 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
   if 'out_proj' in dparams:
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])
-  return model_lib.logits(tparams, tcfg, h.astype(tcfg.jnp_dtype))
+  h = h.astype(tcfg.jnp_dtype)
+  if 'head_ids' not in dparams:
+    return model_lib.logits(tparams, tcfg, h)
+  head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
+  sub = jnp.einsum('bqd,nd->bqn', h, head_VxD[dparams['head_ids']]).astype(jnp.float32)
+  if head_only:
+    return sub
+  full = jnp.full(sub.shape[:2] + (tcfg.vocab_size,), -jnp.inf, jnp.float32)
+  return full.at[:, :, dparams['head_ids']].set(sub)
 
 
 def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,

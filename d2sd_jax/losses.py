@@ -45,7 +45,7 @@ def block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, gamma: int):
 
 
 def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, features_BxLxF,
-                 tokens_BxQ, is_mask_BxQ, positions_BxQ, anchors_BxA):
+                 tokens_BxQ, is_mask_BxQ, positions_BxQ, anchors_BxA, head_only: bool = False):
   """Drafter logits for A blocks per sequence, each seeing the context before its anchor."""
   B, L, _ = features_BxLxF.shape
   A, G = anchors_BxA.shape[1], dcfg.gamma
@@ -55,7 +55,7 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
   ctx_mask_BxQxL = jnp.arange(L)[None, None, :] < jnp.repeat(anchors_BxA, G, axis=1)[..., None]
   block_mask = jnp.broadcast_to(block_of_q[:, None] == block_of_q[None, :], (B, A * G, A * G))
   return drafter_lib.forward(dparams, dcfg, tparams, tcfg, tokens_BxQ, is_mask_BxQ,
-                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask)
+                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask, head_only)
 
 
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
@@ -68,15 +68,19 @@ def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_Bx
   B, L = seq_BxL.shape
   A, G = anchors_BxA.shape[1], dcfg.gamma
   tokens, is_mask, positions, in_range = block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, G)
+  # With a head_vocab subset the logits cover the head's tokens only; labels outside it count
+  # as misses (the drafter cannot propose them) and carry no loss.
   logits = block_logits(dparams, dcfg, tparams, tcfg, features_BxLxF, tokens, is_mask, positions,
-                        anchors_BxA)
+                        anchors_BxA, head_only=True)
   label_ok = jnp.take_along_axis(label_mask_BxL, jnp.clip(positions, 0, L - 1), 1)
   valid = is_mask & in_range & label_ok  # block tokens ARE the labels where masked
+  target = drafter_lib.head_index(dparams, tokens, tcfg.vocab_size)
+  in_head = target >= 0
   logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
-  w = weights_BxAxG.reshape(B, A * G) * valid
+  nll = -jnp.take_along_axis(logp, jnp.maximum(target, 0)[..., None], -1)[..., 0]
+  w = weights_BxAxG.reshape(B, A * G) * (valid & in_head)
   loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
-  hit = (jnp.argmax(logits, -1) == tokens) & valid
+  hit = (jnp.argmax(logits, -1) == target) & valid & in_head
   acc_by_pos = jnp.sum(hit.reshape(B * A, G), 0) / jnp.maximum(
       jnp.sum(valid.reshape(B * A, G), 0), 1)
   metrics = {'loss': loss, 'acc_by_pos': acc_by_pos,

@@ -8,9 +8,12 @@ plus JSON metadata naming the target they were trained for.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -37,7 +40,8 @@ def drafter_config(config) -> drafter_lib.DrafterConfig:
   return drafter_lib.DrafterConfig(
       gamma=d.gamma, n_layers=d.n_layers, d_model=d.d_model, n_heads=d.n_heads,
       n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, d_ff=d.d_ff,
-      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps)
+      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps,
+      head_vocab=d.get('head_vocab', 0))
 
 
 def validate(config) -> None:
@@ -86,32 +90,102 @@ def sample_blocks(key, label_mask_BxL, config, gamma: int):
   return anchors.astype(jnp.int32), prefix, weights
 
 
+def target_features(tparams, tcfg, dcfg, tokens_BxL):
+  """The drafter's input features [B, L, F] of a batch of sequences, from one target pass."""
+  B, L = tokens_BxL.shape
+  _, _, feats = model_lib.forward(tparams, tcfg, tokens_BxL,
+                                  jnp.broadcast_to(jnp.arange(L), (B, L)),
+                                  model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
+                                  feature_layers=dcfg.feature_layers)
+  return drafter_lib.features_of(feats)
+
+
 def make_train_step(config, tcfg, dcfg, opt):
+  """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
+  float dtype) or None, in which case the frozen target computes them inside the step."""
 
-  def loss_fn(dparams, tparams, tokens, label_mask, key, calibrate=False):
-    B, L = tokens.shape
-    _, _, feats = model_lib.forward(tparams, tcfg, tokens, jnp.broadcast_to(jnp.arange(L), (B, L)),
-                                    model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
-                                    feature_layers=dcfg.feature_layers)
-    feats = jax.lax.stop_gradient(drafter_lib.features_of(feats))
+  def loss_fn(trainable, fixed, tparams, tokens, label_mask, key, feats, calibrate=False):
+    if feats is None:
+      feats = target_features(tparams, tcfg, dcfg, tokens)
+    feats = jax.lax.stop_gradient(feats.astype(jnp.float32))
     anchors, prefix, weights = sample_blocks(key, label_mask, config, dcfg.gamma)
-    return losses.drafter_loss(dparams, dcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
-                               prefix, weights, calibrate)
+    return losses.drafter_loss({**trainable, **fixed}, dcfg, tparams, tcfg, tokens, feats,
+                               label_mask, anchors, prefix, weights, calibrate)
 
-  def train_step(dparams, opt_state, tparams, tokens, label_mask, key):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(dparams, tparams, tokens,
-                                                                     label_mask, key)
-    updates, opt_state = opt.update(grads, opt_state, dparams)
+  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None):
+    trainable, fixed = drafter_lib.split_fixed(dparams)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        trainable, fixed, tparams, tokens, label_mask, key, feats)
+    updates, opt_state = opt.update(grads, opt_state, trainable)
     metrics['grad_norm'] = optax.tree.norm(grads)
-    return optax.apply_updates(dparams, updates), opt_state, metrics
+    return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
 
-  def eval_step(dparams, tparams, tokens, label_mask, key):
-    return loss_fn(dparams, tparams, tokens, label_mask, key, calibrate=True)[1]
+  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None):
+    trainable, fixed = drafter_lib.split_fixed(dparams)
+    return loss_fn(trainable, fixed, tparams, tokens, label_mask, key, feats, calibrate=True)[1]
 
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
 
-def run(config: ml_collections.ConfigDict) -> dict:
+def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
+                        batch: int = 8, progress: bool = True) -> np.ndarray:
+  """Target features of every training/eval window, computed once and kept as a float16 file
+  (memory-mapped) that resumed runs reuse: on a CPU the teacher pass costs about as much as the
+  drafter's whole training step, and every epoch would otherwise repeat it. The file name is a
+  hash of the windows, the feature layers and the target's weights, so stale features are never
+  read."""
+  key = hashlib.sha256(tokens_NxL.tobytes() + repr(dcfg.feature_layers).encode() +
+                       ckpt.target_fingerprint(target).encode()).hexdigest()[:16]
+  path = os.path.join(directory, f'features-{key}.npy')
+  N, L = tokens_NxL.shape
+  F = len(dcfg.feature_layers) * target.cfg.d_model
+  if os.path.exists(path):
+    feats = np.load(path, mmap_mode='r')
+    if feats.shape == (N, L, F):
+      return feats
+  os.makedirs(directory, exist_ok=True)
+  tmp = path + '.tmp'
+  out = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.float16, shape=(N, L, F))
+  fn = jax.jit(lambda p, t: target_features(p, target.cfg, dcfg, t).astype(jnp.float16))
+  for i in tqdm(range(0, N, batch), desc='target features', mininterval=10, disable=not progress):
+    rows = tokens_NxL[i:i + batch]
+    pad = batch - len(rows)
+    rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
+    out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
+  out.flush()
+  del out
+  os.replace(tmp, path)  # complete files only
+  return np.load(path, mmap_mode='r')
+
+
+class StopRequest:
+  """SIGTERM / SIGINT during training: finish the step, save a checkpoint, return. A preempted
+  pod job or a Ctrl-C loses nothing; rerunning the command resumes exactly."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # handlers only work there
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
+  """Trains (or resumes) the run in config.workdir. `on_step(step)` is called after each
+  completed step (tests use it)."""
   validate(config)
   target = loaders.load_target(config.target, 'float32')
   dcfg = drafter_config(config)
@@ -130,13 +204,36 @@ def run(config: ml_collections.ConfigDict) -> dict:
   manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
   meta = ckpt.checkpoint_metadata(config.kind, config.target, target, dcfg)
   dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
-  opt_state = opt.init(dparams)
+  if dcfg.head_vocab:
+    dparams['head_ids'] = drafter_lib.choose_head_ids(
+        *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
+    opt_state = opt.init(drafter_lib.split_fixed(dparams)[0])
     items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
     dparams, opt_state = items['params'], items['opt_state']
+    saved_meta = manager.restore(start, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))['meta']
+    if 'confidence_temperature' in saved_meta:
+      meta['confidence_temperature'] = saved_meta['confidence_temperature']
     print(f'resumed from step {start}', flush=True)
+  else:
+    if config.get('init_from'):
+      dparams = initial_params(config.init_from, target, dcfg, dparams)
+    opt_state = opt.init(drafter_lib.split_fixed(dparams)[0])
+  feats = {'train': None, 'eval': None}
+  if config.train.get('precompute_features'):
+    for split in feats:
+      if data.size(split):
+        feats[split] = precompute_features(target, dcfg, data.tokens[split],
+                                           os.path.join(workdir, 'features', split),
+                                           progress=config.progress_bar)
+
+  def batch_of(step, split='train', seed=config.train.seed):
+    idx = data.indices(step, config.train.batch_size, seed, split)
+    f = None if feats[split] is None else np.asarray(feats[split][idx])
+    return data.tokens[split][idx], data.labels[split][idx], f
 
   def save(step):
     manager.save(step, args=ocp.args.Composite(
@@ -150,34 +247,47 @@ def run(config: ml_collections.ConfigDict) -> dict:
   t0, tokens_done = time.time(), 0
   bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
              disable=not config.progress_bar)
-  for step in bar:
-    tokens, labels = data.batch(step, B, config.train.seed)
-    dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
-                                             jax.random.fold_in(key0, step))
-    tokens_done += B * L
-    if (step + 1) % config.log_every == 0 or step + 1 == config.train.steps:
-      metrics = jax.device_get(metrics)
-      loss = float(metrics['loss'])
-      if not math.isfinite(loss):
-        raise FloatingPointError(
-            f'loss is {loss} at step {step + 1}: lower train.lr or raise train.warmup; the last '
-            f'good checkpoint is step {manager.latest_step()} in {manager.directory}')
-      last = {'step': step + 1, 'loss': loss, 'grad_norm': float(metrics['grad_norm']),
-              'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
-              'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
-      bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
-      log.write(step + 1, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
-                                 'train/acc_pos1': last['acc_by_pos'][1],
-                                 'train/tokens_per_s': last['tokens_per_s']})
-    if config.eval_every and (step + 1) % config.eval_every == 0 and data.size('eval'):
-      last['eval'] = evaluate(eval_step, dparams, target, data, config, key0)
-      meta['confidence_temperature'] = last['eval']['confidence_temperature']
-      ev = last['eval']
-      log.write(step + 1, {'step': step + 1, 'eval': ev},
-                {'eval/loss': ev['loss'], 'eval/tau_estimate': ev['tau_estimate'],
-                 'eval/ece': ev['ece'], 'eval/ece_calibrated': ev['ece_calibrated']})
-    if (step + 1) % config.save_every == 0 or step + 1 == config.train.steps:
-      save(step + 1)
+  with StopRequest() as stop:
+    for step in bar:
+      tokens, labels, f = batch_of(step)
+      dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
+                                               jax.random.fold_in(key0, step), f)
+      tokens_done += B * L
+      done = step + 1
+      final = done == config.train.steps
+      if done % config.log_every == 0 or final:
+        metrics = jax.device_get(metrics)
+        loss = float(metrics['loss'])
+        if not math.isfinite(loss):
+          raise FloatingPointError(
+              f'loss is {loss} at step {done}: lower train.lr or raise train.warmup; the last '
+              f'good checkpoint is step {manager.latest_step()} in {manager.directory}')
+        last = {'step': done, 'loss': loss, 'grad_norm': float(metrics['grad_norm']),
+                'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
+                'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
+        bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
+        log.write(done, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
+                               'train/acc_pos1': last['acc_by_pos'][1],
+                               'train/tokens_per_s': last['tokens_per_s']})
+      if config.eval_every and (done % config.eval_every == 0 or final) and data.size('eval'):
+        last['eval'] = evaluate(eval_step, dparams, target, data, config, key0,
+                                lambda i: batch_of(i, 'eval', 0))
+        meta['confidence_temperature'] = last['eval']['confidence_temperature']
+        ev = last['eval']
+        log.write(done, {'step': done, 'eval': ev},
+                  {'eval/loss': ev['loss'], 'eval/tau_estimate': ev['tau_estimate'],
+                   'eval/ece': ev['ece'], 'eval/ece_calibrated': ev['ece_calibrated']})
+      if on_step is not None:
+        on_step(done)
+      if done % config.save_every == 0 or final or stop.signum is not None:
+        save(done)
+      if stop.signum is not None:
+        manager.wait_until_finished()
+        name = signal.Signals(stop.signum).name
+        print(f'\n{name}: stopped after step {done}; checkpoint saved in {manager.directory}. '
+              'Rerun the same command to resume.', flush=True)
+        last['stopped_by'] = name
+        break
   manager.wait_until_finished()
   log.close()
   last['params'] = dparams
@@ -203,16 +313,30 @@ class MetricsLog:
     self.tb.close()
 
 
-def evaluate(eval_step, dparams, target, data, config, key0) -> dict:
+def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
+  """Parameters of another drafter (e.g. drafter 1 to start drafter 2) as this run's start;
+  the architecture must match."""
+  src_cfg, src, _ = ckpt.load_drafter(path, target)
+  mismatch = [f for f in ('gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim',
+                          'd_ff', 'feature_layers', 'head_vocab')
+              if getattr(src_cfg, f) != getattr(dcfg, f)]
+  if mismatch:
+    raise ValueError(f'init_from={path!r} has a different drafter architecture ({mismatch}): '
+                     'set the same drafter.* fields or drop init_from')
+  print(f'initialised from {path}', flush=True)
+  return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), src, dparams)
+
+
+def evaluate(eval_step, dparams, target, data, config, key0, batch_of) -> dict:
   """Held-out loss, per-position agreement and the acceptance length it implies for one chain
   (tau ≈ 1 + sum_k prod_{j<=k} acc_j, treating positions as independent)."""
   B = config.train.batch_size
   n = max(1, data.size('eval') // B)
   acc_sum, cnt_sum, loss_sum, calib = 0, 0, 0.0, 0
   for i in range(n):
-    tokens, labels = data.batch(i, B, 0, split='eval')
+    tokens, labels, f = batch_of(i)
     m = jax.device_get(eval_step(dparams, target.params, tokens, labels,
-                                 jax.random.fold_in(key0, 10**9 + i)))
+                                 jax.random.fold_in(key0, 10**9 + i), f))
     acc_sum = acc_sum + m['acc_by_pos'] * m['count_by_pos']
     cnt_sum = cnt_sum + m['count_by_pos']
     loss_sum += float(m['loss'])

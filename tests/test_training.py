@@ -3,6 +3,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sys
 
 import jax
@@ -48,7 +49,7 @@ def tiny_config(target, data, workdir, kind='drafter1', steps=6):
   c = drafter1_config.get_config()
   c.kind, c.target, c.workdir = kind, target, workdir
   c.drafter.update(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                   feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)
+                   feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6, head_vocab=48)
   c.data.update(path=data, seq_len=24, eval_fraction=0.2)
   c.train.update(batch_size=3, anchors_per_seq=6, steps=steps, lr=1e-2, warmup=2)
   c.update(log_every=1, eval_every=3, save_every=3, keep=5, progress_bar=False)
@@ -73,6 +74,70 @@ def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path):
   resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=6))
   for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tiny_folder, distill_dir,
+                                                                 tmp_path, sig):
+  """A real signal (a preempted pod job, Ctrl-C) mid-run: the step finishes, a checkpoint is
+  written at that step (not a multiple of save_every), and resuming ends bit-identical."""
+  whole = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'a'), steps=8))
+  before = signal.getsignal(sig)
+
+  def send(step):
+    if step == 4:
+      os.kill(os.getpid(), sig)
+
+  stopped = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=8),
+                         on_step=send)
+  assert stopped['stopped_by'] == signal.Signals(sig).name
+  assert sorted(os.listdir(tmp_path / 'b' / 'checkpoints')) == ['3', '4']
+  assert signal.getsignal(sig) == before  # the handler is put back
+  resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=8))
+  assert resumed['step'] == 8 and 'stopped_by' not in resumed
+  for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_dir, tmp_path):
+  """The float16 feature file is a cache, not a different recipe: same losses to float16
+  precision; a second run reuses the file."""
+  runs = {}
+  for pre in (True, False):
+    c = tiny_config(tiny_folder, distill_dir, str(tmp_path / str(pre)), steps=4)
+    c.train.precompute_features = pre
+    runs[pre] = training.run(c)
+  np.testing.assert_allclose(runs[True]['loss'], runs[False]['loss'], rtol=2e-3)
+  files = os.listdir(tmp_path / 'True' / 'features' / 'train')
+  assert len(files) == 1 and files[0].startswith('features-') and files[0].endswith('.npy')
+  assert not os.path.exists(tmp_path / 'False' / 'features')
+
+
+def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
+  """The drafter head keeps the data's most frequent tokens; drafter 2 can start from drafter 1
+  (same architecture required)."""
+  from d2sd_jax import checkpoints, data as data_lib, loaders  # pylint: disable=C0415
+  d1 = str(tmp_path / 'd1')
+  out1 = training.run(tiny_config(tiny_folder, distill_dir, d1, steps=3))
+  target = loaders.load_target(tiny_folder)
+  data = data_lib.SequenceData(data_lib.read_records(distill_dir), 24, target.tokenizer.pad_id, 0.2)
+  response, _ = data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id)
+  ids = set(np.asarray(out1['params']['head_ids']).tolist())
+  assert len(ids) == 48
+  seen = np.flatnonzero(response)
+  if len(seen) <= 48:  # every token a response uses is in the head
+    assert set(seen.tolist()) <= ids
+  c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'd2'), 'drafter2', steps=1)
+  c.init_from = d1
+  c.train.lr = 0.0  # one step at lr 0: the start is drafter 1 exactly
+  out2 = training.run(c)
+  _, p1, _ = checkpoints.load_drafter(d1, target)
+  for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(out2['params'])):
+    np.testing.assert_array_equal(x, y)
+  c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'd3'), 'drafter2', steps=1)
+  c.init_from, c.drafter.d_ff = d1, 64
+  with pytest.raises(ValueError, match=r"init_from=.*different drafter architecture.*d_ff"):
+    training.run(c)
 
 
 def test_checkpoint_of_another_target_is_refused(tiny_folder, distill_dir, tmp_path):
@@ -140,7 +205,11 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   dcfg, params, meta = checkpoints.load_drafter(str(tmp_path / 'd2-export'), target)
   assert meta['kind'] == 'drafter2' and dcfg.gamma == 4
   assert dcfg.confidence_temperature == meta['confidence_temperature']  # fitted at step 3
-  assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+  assert dcfg.head_vocab == 48 and params['head_ids'].dtype == np.int32
+  _, trained, _ = checkpoints.load_drafter(d2, target)
+  np.testing.assert_array_equal(params['head_ids'], trained['head_ids'])  # kept exactly
+  weights = {k: v for k, v in params.items() if k != 'head_ids'}
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(weights))
 
   def decode(**overrides):
     c = smollm2_config.get_config()
