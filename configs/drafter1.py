@@ -48,6 +48,11 @@ def get_config():
   c.loss.beta = 0.8  # drafter 2: prefix-length prior P(l=j) ∝ beta^j
   c.loss.tau = 4.0  # drafter 2: weights exp(-(k-l-1)/tau)
 
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # data-parallel axis size (-1: all devices not used by mesh.model)
+  c.mesh.model = 1  # tensor-parallel axis size (-1: all devices not used by mesh.data)
+  c.distributed = False  # True on multi-host pod slices: jax.distributed.initialize()
+
   c.log_every = 10  # steps between metrics lines
   c.eval_every = 500  # steps between held-out evaluations (0 = never)
   c.save_every = 100  # steps between checkpoints

@@ -32,4 +32,8 @@ def get_config():
   c.batch_size = 1  # prompts decoded together
   c.cache_len = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
   c.output = ''  # optional JSONL path: prompt, completion, completion_ids per line
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # replicas axis (-1: all devices not used by mesh.model)
+  c.mesh.model = 1  # tensor-parallel axis: target and drafter weights split by sharding.RULES
+  c.distributed = False  # True on multi-host pod slices: jax.distributed.initialize()
   return c

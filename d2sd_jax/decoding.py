@@ -5,7 +5,9 @@ The last stdout line is one JSON object of stats (timings exclude compilation):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -17,8 +19,10 @@ from d2sd_jax import drafting
 from d2sd_jax import generate as G
 from d2sd_jax import loaders
 from d2sd_jax import sampling as sampling_lib
+from d2sd_jax import sharding
 from d2sd_jax import speculative as SP
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ('ar',) + tuple(drafting.METHODS)
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
@@ -164,89 +168,136 @@ class SpecRunner(Runner):
     return out, counts, int(steps), cycles, hist
 
 
+def resolve_path(path: str) -> str:
+  """A relative drafter path that is not found from the working directory is looked up from
+  the repository root (so the shipped drafters load from anywhere)."""
+  if os.path.isabs(path) or os.path.exists(path):
+    return path
+  candidate = os.path.join(REPO_ROOT, path)
+  return candidate if os.path.exists(candidate) else path
+
+
+def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int) -> int:
+  """The usable cache length; a clear error when the prompt and new tokens do not fit."""
+  limit = min(cache_len, target.cfg.max_position)
+  if longest + max_new_tokens > limit:
+    raise ValueError(
+        f'prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache '
+        f'length {limit} (cache_len={cache_len}, model context {target.cfg.max_position}): '
+        'shorten the prompt or lower max_new_tokens' +
+        (', or raise cache_len' if cache_len < target.cfg.max_position else ''))
+  return limit
+
+
+def make_runner(target, settings: G.GenerationSettings, method: str, longest: int, limit: int,
+                drafters: dict, **spec_fields) -> Runner:
+  """The AR or speculative runner for prompts of up to `longest` tokens.
+
+  drafters: {'drafter1': (DrafterConfig, params), ...} as the method needs (drafting.NEEDS);
+  spec_fields: the other SpecSettings fields (gamma, n_branches, steps, ...)."""
+  prompt_block = _round_up(longest, PROMPT_BUCKET)
+  if method == 'ar':
+    # One cache size for the whole run (one decode program), just large enough for it.
+    cache_size = min(_round_up(prompt_block + settings.max_new_tokens, CACHE_BUCKET),
+                     max(limit, longest + settings.max_new_tokens))
+    return ARRunner(target, settings, cache_size)
+  params = {'target': target.params}
+  cfgs = {}
+  for name in drafting.NEEDS[method]:
+    if name not in drafters:
+      raise ValueError(f'method={method!r} needs {name}: set --config.{name}=PATH (a train.py '
+                       'workdir or an exported drafter)')
+    cfgs[name], params[name] = drafters[name]
+  spec = SP.SpecSettings(generation=settings, method=method, **spec_fields, **cfgs)
+  return SpecRunner(params, target.cfg, spec, prompt_block)
+
+
+def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int):
+  """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
+  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, first_batch)."""
+  completions = []
+  stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None}
+  B = batch_size
+  for start in range(0, len(prompt_ids), B):
+    rows = list(range(start, min(start + B, len(prompt_ids))))
+    # A short last batch is filled with copies of its first row (same program, outputs dropped).
+    batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
+    block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
+    block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
+    keys = G.row_keys(seed, rows + [rows[0]] * (B - len(rows)))
+    if start == 0:
+      stats['first_batch'] = (block, lens, keys)
+    state, t_prefill, t_decode = runner(block, lens, keys)
+    stats['prefill_s'] += t_prefill
+    stats['decode_s'] += t_decode
+    out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
+    stats['decode_steps'] += steps
+    for i, _ in enumerate(rows):
+      completions.append([int(t) for t in out_ids[i, :counts[i]]])
+      if row_cycles is not None:
+        stats['cycles'] += int(row_cycles[i])
+        stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
+  return completions, stats
+
+
 def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   validate(config)
   prompts = read_prompts(config)
+  sharding.maybe_initialize_distributed(config.get('distributed', False))
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
   target = loaders.load_target(config.target, config.dtype)
+  if mesh is not None and mesh.size > 1:  # tensor parallel: weights split over 'model'
+    target = dataclasses.replace(target, params=jax.device_put(
+        target.params, sharding.target_shardings(mesh, target.params)))
   tok = target.tokenizer
   if tok is None:
     raise FileNotFoundError(f'target {config.target!r} has no tokenizer (tokenizer.json)')
   prompt_ids = [tok.encode_prompt(p, config.chat) for p in prompts]
   longest = max(len(p) for p in prompt_ids)
-  limit = min(config.cache_len, target.cfg.max_position)
-  if longest + config.max_new_tokens > limit:
-    raise ValueError(
-        f'prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} exceeds the cache '
-        f'length {limit} (cache_len={config.cache_len}, model context {target.cfg.max_position}): '
-        'shorten the prompt or lower max_new_tokens' +
-        (', or raise cache_len' if config.cache_len < target.cfg.max_position else ''))
+  limit = cache_limit(target, longest, config.max_new_tokens, config.cache_len)
   settings = G.GenerationSettings(max_new_tokens=config.max_new_tokens, eos_ids=tok.eos_ids,
                                   pad_id=tok.pad_id, sampling=sampling_settings(config))
-  # One cache size for the whole run (one decode program), just large enough for it.
-  prompt_block = _round_up(longest, PROMPT_BUCKET)
-  if config.method == 'ar':
-    cache_size = min(_round_up(prompt_block + config.max_new_tokens, CACHE_BUCKET),
-                     max(limit, longest + config.max_new_tokens))
-    runner = ARRunner(target, settings, cache_size)
-  else:
-    params, drafter_cfgs = {'target': target.params}, {}
+  drafters = {}
+  if config.method != 'ar':
     for name in drafting.NEEDS[config.method]:
-      path = config[name]
-      if not path:
-        raise ValueError(f'method={config.method!r} needs {name}: set --config.{name}=PATH (a '
-                         'train.py workdir or an exported drafter)')
-      drafter_cfgs[name], params[name], _ = ckpt.load_drafter(path, target)
-    spec = SP.SpecSettings(generation=settings, method=config.method, gamma=config.gamma,
-                           ngram_max=config.ngram_max, n_branches=config.n_branches,
-                           steps=config.steps, order=config.order,
-                           tree_budget=config.tree_budget, leniency=config.leniency,
-                           **drafter_cfgs)
-    runner = SpecRunner(params, target.cfg, spec, prompt_block)
-
-  results, prefill_s, decode_s, new_tokens, decode_steps = [], 0.0, 0.0, 0, 0
-  cycles, hist = 0, None
-  B = config.batch_size
-  for start in range(0, len(prompts), B):
-    rows = list(range(start, min(start + B, len(prompts))))
-    # A short last batch is filled with copies of its first row (same program, outputs dropped).
-    batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
-    block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
-    block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
-    keys = G.row_keys(config.seed, rows + [rows[0]] * (B - len(rows)))
-    if start == 0:
-      first_batch = (block, lens, keys)
-    state, t_prefill, t_decode = runner(block, lens, keys)
-    prefill_s, decode_s = prefill_s + t_prefill, decode_s + t_decode
-    out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
-    decode_steps += steps
-    for i, r in enumerate(rows):
-      ids = [int(t) for t in out_ids[i, :counts[i]]]
-      new_tokens += len(ids)
-      if row_cycles is not None:
-        cycles += int(row_cycles[i])
-        hist = row_hist[i] if hist is None else hist + row_hist[i]
-      text = tok.decode([t for t in ids if t not in tok.eos_ids])
-      results.append({'prompt': prompts[r], 'completion': text, 'completion_ids': ids})
-      print(f'=== [{r}] {prompts[r]!r}\n{text}', file=out)
+      if config[name]:
+        dcfg, dparams, _ = ckpt.load_drafter(resolve_path(config[name]), target)
+        if mesh is not None and mesh.size > 1:
+          dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+        drafters[name] = (dcfg, dparams)
+  runner = make_runner(target, settings, config.method, longest, limit, drafters,
+                       gamma=config.gamma, ngram_max=config.ngram_max,
+                       n_branches=config.n_branches, steps=config.steps, order=config.order,
+                       tree_budget=config.tree_budget, leniency=config.leniency)
+  completions, st = decode_prompts(runner, tok, prompt_ids, config.batch_size, config.seed)
+  results, new_tokens = [], 0
+  for prompt, ids in zip(prompts, completions):
+    new_tokens += len(ids)
+    text = tok.decode([t for t in ids if t not in tok.eos_ids])
+    results.append({'prompt': prompt, 'completion': text, 'completion_ids': ids})
+    print(f'=== [{len(results) - 1}] {prompt!r}\n{text}', file=out)
 
   if config.output:
     with open(config.output, 'w') as f:
       for row in results:
         f.write(json.dumps(row) + '\n')
   decode_tokens = new_tokens - len(prompts)  # each row's first token comes from the prefill
+  decode_s, decode_steps = st['decode_s'], st['decode_steps']
   stats = {
       'method': config.method, 'target': config.target, 'prompts': len(prompts),
-      'batch_size': B, 'new_tokens': new_tokens, 'compile_s': round(runner.compile_s, 3),
-      'prefill_s': round(prefill_s, 4), 'decode_s': round(decode_s, 4),
+      'batch_size': config.batch_size, 'new_tokens': new_tokens,
+      'compile_s': round(runner.compile_s, 3), 'prefill_s': round(st['prefill_s'], 4),
+      'decode_s': round(decode_s, 4),
       'decode_tokens_per_s': round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
       'decode_steps': decode_steps,
       'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
   }
   if config.method != 'ar':
     # tau: tokens committed per verification cycle, bonus included (AR would be 1).
+    cycles = st['cycles']
     stats.update(gamma=config.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
                  tau=round(decode_tokens / cycles, 3) if cycles else None,
-                 accepted_histogram=[int(h) for h in hist],
-                 stage_ms=runner.stage_times(*first_batch))
+                 accepted_histogram=[int(h) for h in st['hist']],
+                 stage_ms=runner.stage_times(*st['first_batch']))
   print(json.dumps(stats), file=out)
   return stats

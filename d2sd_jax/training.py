@@ -8,6 +8,7 @@ plus JSON metadata naming the target they were trained for.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import loaders
 from d2sd_jax import losses
+from d2sd_jax import sharding
 from d2sd_jax import model as model_lib
 
 KINDS = ('drafter1', 'drafter2')
@@ -187,9 +189,15 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   """Trains (or resumes) the run in config.workdir. `on_step(step)` is called after each
   completed step (tests use it)."""
   validate(config)
+  sharding.maybe_initialize_distributed(config.get('distributed', False))
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+  sharding.check_batch(mesh, config.train.batch_size)
+  chief = jax.process_index() == 0  # logs and progress from one process (Orbax saves from all)
   target = loaders.load_target(config.target, 'float32')
   dcfg = drafter_config(config)
   dcfg.check_target(target.cfg)
+  target = dataclasses.replace(target, params=jax.device_put(
+      target.params, sharding.target_shardings(mesh, target.params)))
   if config.data.source == 'tfds':  # the prepared TFDS copy (python -m d2sd_jax.tfds_data)
     from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
     records = tfds_data.read_records(config.data.tfds_dir)
@@ -207,46 +215,54 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   if dcfg.head_vocab:
     dparams['head_ids'] = drafter_lib.choose_head_ids(
         *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
+  dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))  # follows p's sharding
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
-    opt_state = opt.init(drafter_lib.split_fixed(dparams)[0])
+    opt_state = init_opt(dparams)
     items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
     dparams, opt_state = items['params'], items['opt_state']
     saved_meta = manager.restore(start, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))['meta']
     if 'confidence_temperature' in saved_meta:
       meta['confidence_temperature'] = saved_meta['confidence_temperature']
-    print(f'resumed from step {start}', flush=True)
+    if chief:
+      print(f'resumed from step {start}', flush=True)
   else:
     if config.get('init_from'):
       dparams = initial_params(config.init_from, target, dcfg, dparams)
-    opt_state = opt.init(drafter_lib.split_fixed(dparams)[0])
+      dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+    opt_state = init_opt(dparams)
   feats = {'train': None, 'eval': None}
   if config.train.get('precompute_features'):
     for split in feats:
       if data.size(split):
         feats[split] = precompute_features(target, dcfg, data.tokens[split],
                                            os.path.join(workdir, 'features', split),
-                                           progress=config.progress_bar)
+                                           progress=config.progress_bar and chief)
+
+  rows = sharding.process_rows(config.train.batch_size)
 
   def batch_of(step, split='train', seed=config.train.seed):
-    idx = data.indices(step, config.train.batch_size, seed, split)
-    f = None if feats[split] is None else np.asarray(feats[split][idx])
-    return data.tokens[split][idx], data.labels[split][idx], f
+    """This process's rows of the global batch of `step`, as arrays sharded over 'data'."""
+    idx = data.indices(step, config.train.batch_size, seed, split)[rows]
+    f = None if feats[split] is None else sharding.global_batch(mesh, np.asarray(feats[split][idx]))
+    return (sharding.global_batch(mesh, data.tokens[split][idx]),
+            sharding.global_batch(mesh, data.labels[split][idx]), f)
 
   def save(step):
     manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(dparams), opt_state=ocp.args.StandardSave(opt_state),
         meta=ocp.args.JsonSave(meta)), force=True)
 
-  log = MetricsLog(workdir)
+  log = MetricsLog(workdir, enabled=chief)
   key0 = jax.random.PRNGKey(config.train.seed)
   B, L = config.train.batch_size, config.data.seq_len
   last = {}
   t0, tokens_done = time.time(), 0
   bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
-             disable=not config.progress_bar)
+             disable=not (config.progress_bar and chief))
   with StopRequest() as stop:
     for step in bar:
       tokens, labels, f = batch_of(step)
@@ -297,12 +313,15 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
 class MetricsLog:
   """Metrics as JSON lines (metrics.jsonl) and TensorBoard event files (tb/) in the workdir."""
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, enabled: bool = True):
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self.enabled = enabled
     self.path = os.path.join(workdir, 'metrics.jsonl')
-    self.tb = SummaryWriter(os.path.join(workdir, 'tb'))
+    self.tb = SummaryWriter(os.path.join(workdir, 'tb')) if enabled else None
 
   def write(self, step: int, record: dict, scalars: dict):
+    if not self.enabled:
+      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(record) + '\n')
     for name, value in scalars.items():
@@ -310,7 +329,8 @@ class MetricsLog:
     self.tb.flush()
 
   def close(self):
-    self.tb.close()
+    if self.tb is not None:
+      self.tb.close()
 
 
 def initial_params(path: str, target, dcfg, dparams: dict) -> dict:

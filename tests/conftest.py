@@ -1,9 +1,11 @@
 import functools
+import gzip
 import json
 import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 import tokenizers
 from tokenizers import decoders, models
@@ -50,3 +52,25 @@ def tiny_folder(tmp_path_factory):
        '{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}[assistant] '}))
   (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 95}))
   return str(folder)
+
+
+def write_fake_distill(path) -> str:
+  """Fake distillation shards: repetitive responses a drafter can learn quickly."""
+  os.makedirs(path, exist_ok=True)
+  rng = np.random.default_rng(0)
+  for shard in range(2):
+    lines = []
+    for i in range(12):
+      motif = rng.integers(0, 90, 5).tolist()
+      lines.append(json.dumps({'id': f'{shard}-{i}', 'style': 'complete_plain', 'prompt': 'p',
+                               'chat': False, 'source': 'fake',
+                               'prompt_ids': rng.integers(0, 90, 9).tolist(),
+                               'response_ids': (motif * 8)[:30 + i]}))
+    with gzip.open(os.path.join(path, f'shard-{shard:05d}.jsonl.gz'), 'wt') as f:
+      f.write('\n'.join(lines) + '\n')
+  return str(path)
+
+
+@pytest.fixture(scope='session')
+def distill_dir(tmp_path_factory):
+  return write_fake_distill(tmp_path_factory.mktemp('distill'))

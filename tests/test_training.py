@@ -1,5 +1,4 @@
 """train.py on tiny configs: loss goes down, exact resume, target mismatch and damaged checkpoints."""
-import gzip
 import json
 import os
 import shutil
@@ -15,24 +14,6 @@ from d2sd_jax import training
 ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 import drafter1 as drafter1_config  # pylint: disable=wrong-import-position
-
-
-@pytest.fixture(scope='module')
-def distill_dir(tmp_path_factory):
-  """Fake distillation shards: repetitive responses a drafter can learn quickly."""
-  path = tmp_path_factory.mktemp('distill')
-  rng = np.random.default_rng(0)
-  for shard in range(2):
-    lines = []
-    for i in range(12):
-      motif = rng.integers(0, 90, 5).tolist()
-      lines.append(json.dumps({'id': f'{shard}-{i}', 'style': 'complete_plain', 'prompt': 'p',
-                               'chat': False, 'source': 'fake',
-                               'prompt_ids': rng.integers(0, 90, 9).tolist(),
-                               'response_ids': (motif * 8)[:30 + i]}))
-    with gzip.open(path / f'shard-{shard:05d}.jsonl.gz', 'wt') as f:
-      f.write('\n'.join(lines) + '\n')
-  return str(path)
 
 
 def another_target(tiny_folder, tmp_path):

@@ -1,0 +1,234 @@
+"""The notebook entry point: `d2sd_jax.load(...)` returns a ready `Decoder`.
+
+  import d2sd_jax
+  dec = d2sd_jax.load('smollm2', drafter1='drafters/smollm2-drafter1',
+                      drafter2='drafters/smollm2-drafter2')
+  out = dec.generate(['def fib(n):'], max_new_tokens=64, chat=False)
+  out.texts, out.stats['tau']
+
+`dec.save(path)` writes the target (parameters, architecture, tokenizer) and the drafters as
+Orbax checkpoints in one folder, and `d2sd_jax.load(path)` restores all of it, optionally
+onto a mesh (`mesh=...`, see `d2sd_jax.sharding`). Decoding goes through the same programs as
+decode.py (one jitted prefill, one `lax.while_loop` per batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tokenizers
+
+from d2sd_jax import checkpoints as ckpt
+from d2sd_jax import decoding
+from d2sd_jax import drafting
+from d2sd_jax import generate as G
+from d2sd_jax import loaders
+from d2sd_jax import model as model_lib
+from d2sd_jax import sampling as sampling_lib
+from d2sd_jax import tokenizer as tokenizer_lib
+
+DECODER_FILE = 'd2sd_decoder.json'
+TARGET_FILE = 'd2sd_target.json'
+DRAFTERS = ('drafter1', 'drafter2')
+
+
+@dataclasses.dataclass
+class Generation:
+  texts: list[str]
+  ids: list[list[int]]
+  stats: dict  # method, prompts, new_tokens, decode_s, decode_tokens_per_s, tau, cycles, ...
+
+
+class Decoder:
+  """A target and its drafters, ready to generate with any method."""
+
+  def __init__(self, target: loaders.Target, drafters: dict | None = None,
+               method: str | None = None, mesh=None):
+    self.target = target
+    self.drafters = dict(drafters or {})  # name -> (DrafterConfig, params)
+    if method is None:
+      method = 'd2sd' if len(self.drafters) == 2 else 'dflash' if self.drafters else 'ar'
+    self._check_method(method)
+    self.method = method
+    self.mesh = mesh
+    self._runners = {}
+
+  def _check_method(self, method: str):
+    if method not in decoding.METHODS:
+      raise ValueError(f'method={method!r} is not one of {decoding.METHODS}')
+    missing = [n for n in drafting.NEEDS.get(method, ()) if n not in self.drafters]
+    if missing:
+      raise ValueError(f'method={method!r} needs {missing}: load the decoder with '
+                       + ', '.join(f'{n}=PATH' for n in missing))
+
+  def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, chat: bool = True,
+               method: str | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, gamma: int | None = None, n_branches: int = 4,
+               steps: int = 1, order: str = 'confidence', tree_budget: int = 0,
+               leniency: float = 0.0, ngram_max: int = 3, batch_size: int | None = None,
+               seed: int = 0, cache_len: int = 8192) -> Generation:
+    """Completes each prompt; the stats include tau and the acceptance histogram for
+    speculative methods. Repeated calls with the same shapes reuse the compiled programs."""
+    method = method or self.method
+    self._check_method(method)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+      raise ValueError('no prompts: give a string or a non-empty list of strings')
+    if max_new_tokens < 1:
+      raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
+    tok = self.target.tokenizer
+    prompt_ids = [tok.encode_prompt(p, chat) for p in prompts]
+    longest = max(len(p) for p in prompt_ids)
+    limit = decoding.cache_limit(self.target, longest, max_new_tokens, cache_len)
+    settings = G.GenerationSettings(
+        max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+        sampling=sampling_lib.SamplingSettings(temperature=float(temperature), top_k=int(top_k),
+                                               top_p=float(top_p)))
+    if gamma is None:
+      gamma = self.drafters['drafter1'][0].gamma if 'drafter1' in self.drafters else 8
+    spec = dict(gamma=gamma, ngram_max=ngram_max, n_branches=n_branches, steps=steps,
+                order=order, tree_budget=tree_budget, leniency=leniency)
+    key = (method, settings, decoding._round_up(longest, decoding.PROMPT_BUCKET), limit,
+           tuple(sorted(spec.items())))
+    if key not in self._runners:
+      self._runners[key] = decoding.make_runner(self.target, settings, method, longest, limit,
+                                                self.drafters, **(spec if method != 'ar' else {}))
+    runner = self._runners[key]
+    batch = batch_size or min(len(prompts), 8)
+    ids, st = decoding.decode_prompts(runner, tok, prompt_ids, batch, seed)
+    texts = [tok.decode([t for t in row if t not in tok.eos_ids]) for row in ids]
+    new_tokens = sum(len(row) for row in ids)
+    decode_tokens = new_tokens - len(prompts)
+    stats = {'method': method, 'prompts': len(prompts), 'new_tokens': new_tokens,
+             'prefill_s': round(st['prefill_s'], 4), 'decode_s': round(st['decode_s'], 4),
+             'decode_tokens_per_s': round(decode_tokens / st['decode_s'], 2)
+             if st['decode_s'] > 0 else None}
+    if method != 'ar':
+      stats.update(cycles=st['cycles'],
+                   tau=round(decode_tokens / st['cycles'], 3) if st['cycles'] else None,
+                   accepted_histogram=[int(h) for h in st['hist']])
+    return Generation(texts=texts, ids=ids, stats=stats)
+
+  def save(self, directory: str) -> str:
+    """Target (parameters, architecture, tokenizer) and drafters as Orbax checkpoints in one
+    folder that `d2sd_jax.load(directory)` restores."""
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    save_target(self.target, os.path.join(directory, 'target'))
+    for name, (dcfg, params) in self.drafters.items():
+      meta = ckpt.checkpoint_metadata(name, 'target', self.target, dcfg)
+      meta['confidence_temperature'] = dcfg.confidence_temperature
+      mngr = ckpt.manager(os.path.join(directory, name), keep=1)
+      mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                           meta=ocp.args.JsonSave(meta)), force=True)
+      mngr.wait_until_finished()
+    with open(os.path.join(directory, DECODER_FILE), 'w') as f:
+      json.dump({'method': self.method, 'drafters': sorted(self.drafters)}, f)
+    return directory
+
+
+def save_target(target: loaders.Target, directory: str) -> None:
+  """The target's parameters (Orbax), its architecture and its tokenizer, in one folder."""
+  mngr = ckpt.manager(directory, keep=1)
+  mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(target.params)), force=True)
+  mngr.wait_until_finished()
+  tok = target.tokenizer
+  info = {'config': dataclasses.asdict(target.cfg), 'source': target.source,
+          'fingerprint': ckpt.target_fingerprint(target),
+          'tokenizer': None if tok is None else {
+              'eos_ids': list(tok.eos_ids), 'pad_id': tok.pad_id, 'bos_id': tok.bos_id,
+              'add_bos': tok.add_bos, 'chat_template': tok.chat_template,
+              'bpe': tok.bpe.to_str()}}
+  with open(os.path.join(directory, TARGET_FILE), 'w') as f:
+    json.dump(info, f)
+
+
+def load_saved_target(directory: str, sharding=None) -> loaders.Target:
+  path = os.path.join(directory, TARGET_FILE)
+  try:
+    with open(path) as f:
+      info = json.load(f)
+    cfg = model_lib.ModelConfig(**info['config'])
+  except (OSError, json.JSONDecodeError, TypeError, KeyError) as e:
+    raise ValueError(f'{path} is missing or unreadable ({e}): save the decoder again') from e
+  abstract = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  if sharding is not None:
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            abstract, sharding(abstract))
+  mngr = ckpt.manager(directory, create=False)
+  step = mngr.latest_step()
+  if step is None:
+    raise FileNotFoundError(f'no saved target parameters in {directory}')
+  try:
+    params = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))['params']
+  except Exception as e:
+    raise ValueError(f'saved target in {directory} is corrupt or incomplete '
+                     f'({type(e).__name__}: {e}): save it again') from e
+  t = info['tokenizer']
+  tok = None if t is None else tokenizer_lib.Tokenizer(
+      bpe=tokenizers.Tokenizer.from_str(t['bpe']), eos_ids=tuple(t['eos_ids']),
+      pad_id=t['pad_id'], bos_id=t['bos_id'], add_bos=t['add_bos'],
+      chat_template=t['chat_template'])
+  target = loaders.Target(cfg=cfg, params=params, tokenizer=tok, source=directory)
+  if ckpt.target_fingerprint(target) != info['fingerprint']:
+    raise ValueError(f'saved target in {directory} does not match its recorded fingerprint: '
+                     'the parameters were changed or damaged; save it again')
+  return target
+
+
+def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | None = None, *,
+         method: str | None = None, dtype: str = 'float32', mesh=None) -> Decoder:
+  """A ready Decoder from a saved decoder folder (`Decoder.save`), or from a target
+  ('smollm2', a .gguf file, a Hugging Face folder) plus drafter checkpoints (train.py workdirs
+  or exported drafters). With `mesh` (a jax.sharding.Mesh with 'data' and 'model' axes) the
+  parameters are placed by the sharding rules of `d2sd_jax.sharding`."""
+  shard_target = shard_drafter = None
+  if mesh is not None:
+    from d2sd_jax import sharding  # pylint: disable=import-outside-toplevel
+    shard_target = lambda tree: sharding.target_shardings(mesh, tree)
+    shard_drafter = lambda tree: sharding.drafter_shardings(mesh, tree)
+  saved = os.path.isdir(target) and os.path.exists(os.path.join(target, DECODER_FILE))
+  if saved:
+    with open(os.path.join(target, DECODER_FILE)) as f:
+      info = json.load(f)
+    root = target
+    tgt = load_saved_target(os.path.join(root, 'target'), shard_target)
+    paths = {name: os.path.join(root, name) for name in info['drafters']}
+    method = method or info['method']
+  else:
+    tgt = loaders.load_target(target, dtype)
+    if shard_target is not None:
+      tgt = dataclasses.replace(tgt, params=jax.device_put(tgt.params,
+                                                           shard_target(tgt.params)))
+    paths = {n: p for n, p in (('drafter1', drafter1), ('drafter2', drafter2)) if p}
+  if tgt.tokenizer is None:
+    raise ValueError(f'target {target!r} has no tokenizer: a decoder needs one')
+  drafters = {}
+  for name, path in paths.items():
+    dcfg, params, _ = ckpt.load_drafter(decoding.resolve_path(path), tgt)
+    if shard_drafter is not None:
+      params = jax.device_put(params, shard_drafter(params))
+    drafters[name] = (dcfg, params)
+  return Decoder(tgt, drafters, method, mesh)
+
+
+def acceptance_plot(generation: Generation, ax=None):
+  """Bar chart of accepted draft tokens per cycle (matplotlib), from generate()'s stats."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  hist = np.asarray(generation.stats.get('accepted_histogram') or [])
+  if ax is None:
+    _, ax = plt.subplots(figsize=(5, 3))
+  ax.bar(np.arange(len(hist)), hist)
+  ax.set_xlabel('draft tokens accepted in a cycle')
+  ax.set_ylabel('cycles')
+  ax.set_title(f"{generation.stats['method']}: tau = {generation.stats.get('tau')}")
+  return ax
+
+
+__all__ = ['Decoder', 'Generation', 'load', 'save_target', 'load_saved_target',
+           'acceptance_plot']
