@@ -67,11 +67,12 @@ class Decoder:
 
   def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, chat: bool = True,
                method: str | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, gamma: int | None = None, n_branches: int = 4,
+               top_p: float = 1.0, gamma: int | None = None, n_branches: int | None = None,
                steps: int = 1, order: str = 'confidence', tree_budget: int = 0,
                leniency: float = 0.0, ngram_max: int = 3, batch_size: int | None = None,
                seed: int = 0, cache_len: int = 8192) -> Generation:
-    """Completes each prompt; the stats include tau and the acceptance histogram for
+    """Completes each prompt (gamma: the drafters' block; n_branches: K, by default
+    min(4, gamma-1)); the stats include tau and the acceptance histogram for
     speculative methods. Repeated calls with the same shapes reuse the compiled programs."""
     method = method or self.method
     self._check_method(method)
@@ -90,6 +91,8 @@ class Decoder:
                                                top_p=float(top_p)))
     if gamma is None:
       gamma = self.drafters['drafter1'][0].gamma if 'drafter1' in self.drafters else 8
+    if n_branches is None:
+      n_branches = min(4, gamma - 1)
     spec = dict(gamma=gamma, ngram_max=ngram_max, n_branches=n_branches, steps=steps,
                 order=order, tree_budget=tree_budget, leniency=leniency)
     key = (method, settings, decoding._round_up(longest, decoding.PROMPT_BUCKET), limit,

@@ -1,0 +1,26 @@
+"""notebooks/quickstart.ipynb runs top to bottom (on a tiny target and tiny drafters)."""
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+from test_api import tiny_drafters  # noqa: F401  pylint: disable=unused-import
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quickstart_notebook_executes(tiny_folder, tiny_drafters, tmp_path):  # noqa: F811
+  nb = nbformat.read(os.path.join(ROOT, 'notebooks', 'quickstart.ipynb'), as_version=4)
+  params = [c for c in nb.cells if 'parameters' in c.metadata.get('tags', [])]
+  assert len(params) == 1
+  params[0].source = '\n'.join([
+      f'TARGET = {tiny_folder!r}', f"DRAFTER1 = {tiny_drafters['drafter1']!r}",
+      f"DRAFTER2 = {tiny_drafters['drafter2']!r}", "PROMPTS = ['abcabcab', 'hello hello']",
+      'CHAT = False', 'MAX_NEW_TOKENS = 12', f"SAVE_DIR = {str(tmp_path / 'saved')!r}"])
+  NotebookClient(nb, timeout=600, kernel_name='python3',
+                 resources={'metadata': {'path': os.path.join(ROOT, 'notebooks')}}).execute()
+  outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])]
+  text = ''.join(o.get('text', '') for o in outputs)
+  assert 'identical to AR greedy output: True' in text
+  assert 'same output' in text
+  assert any('image/png' in o.get('data', {}) for o in outputs)  # the acceptance plot
