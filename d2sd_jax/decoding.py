@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from d2sd_jax import checkpoints as ckpt
+from d2sd_jax import config_check
 from d2sd_jax import drafting
 from d2sd_jax import generate as G
 from d2sd_jax import loaders
@@ -30,6 +31,7 @@ CACHE_BUCKET = 64
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Start-up checks that name the field and the fix."""
+  config_check.check_fields(config, config_check.DECODE_FIELDS, 'decode')
   if config.method not in METHODS:
     raise ValueError(f'method={config.method!r} is not one of {METHODS}')
   if config.max_new_tokens < 1:

@@ -43,6 +43,14 @@ class DrafterConfig:
   head_vocab: int = 0  # 0: the target's whole vocabulary; N: only N tokens (a cheaper head)
 
   def __post_init__(self):
+    for name in ('n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'drafter.{name}={getattr(self, name)} must be >= 1')
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f'drafter.n_heads={self.n_heads} must be a multiple of drafter.n_kv_heads='
+                       f'{self.n_kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'drafter.head_dim={self.head_dim} must be even (RoPE)')
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus one drafted token)')
     if not self.feature_layers:

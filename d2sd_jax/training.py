@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from d2sd_jax import calibration
 from d2sd_jax import checkpoints as ckpt
+from d2sd_jax import config_check
 from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import loaders
@@ -47,6 +48,8 @@ def drafter_config(config) -> drafter_lib.DrafterConfig:
 
 
 def validate(config) -> None:
+  """Start-up checks that name the field and the fix."""
+  config_check.check_fields(config, config_check.TRAIN_FIELDS, 'training')
   if config.kind not in KINDS:
     raise ValueError(f'kind={config.kind!r} is not one of {KINDS}')
   t = config.train
@@ -62,6 +65,16 @@ def validate(config) -> None:
     raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
   if config.loss.tau <= 0 or config.loss.decay <= 0:
     raise ValueError('loss.tau and loss.decay must be > 0')
+  if not 0.0 <= config.data.eval_fraction < 1.0:
+    raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
+  for name in ('log_every', 'save_every'):
+    if config[name] < 1:
+      raise ValueError(f'{name}={config[name]} must be >= 1')
+  if config.keep is not None and config.keep < 1:
+    raise ValueError(f'keep={config.keep} must be >= 1 (checkpoints kept) or None (all)')
+  if config.train.lr <= 0 or config.train.clip <= 0:
+    raise ValueError('train.lr and train.clip must be > 0')
+  drafter_config(config)  # the drafter's own checks (sizes, heads, head_vocab)
 
 
 def optimizer(config):
@@ -190,7 +203,8 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   completed step (tests use it)."""
   validate(config)
   sharding.maybe_initialize_distributed(config.get('distributed', False))
-  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+  mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}
+  mesh = sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'])
   sharding.check_batch(mesh, config.train.batch_size)
   chief = jax.process_index() == 0  # logs and progress from one process (Orbax saves from all)
   target = loaders.load_target(config.target, 'float32')

@@ -90,6 +90,28 @@ def test_bad_input_is_explained(tiny_folder, overrides, error, match):
     decoding.run(config_for(tiny_folder, chat=False, **overrides), out=io.StringIO())
 
 
+def test_unknown_decode_fields_are_named(tiny_folder):
+  c = config_for(tiny_folder)
+  c.unlock()
+  c.temprature = 0.7
+  with pytest.raises(ValueError, match=r'unknown decode config field\(s\): temprature \(did you '
+                                       r'mean temperature\?\)'):
+    decoding.run(c, out=io.StringIO())
+  c = config_for(tiny_folder)
+  c.mesh.unlock()
+  c.mesh.tensor = 2
+  with pytest.raises(ValueError, match=r'mesh.tensor'):
+    decoding.run(c, out=io.StringIO())
+
+
+def test_decode_cli_rejects_unknown_override(tmp_path):
+  """decode.py --config.<typo>=... stops before loading anything."""
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'decode.py'), '--config',
+                         os.path.join(ROOT, 'configs', 'smollm2.py'), '--config.temprature=0.5'],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode != 0 and 'temprature' in proc.stderr
+
+
 def test_prompt_padding_beyond_a_small_cache(tiny_folder, tmp_path):
   """A 65-token prompt pads to 128 columns, more than a 100-slot cache: still exact."""
   ids = {}

@@ -172,6 +172,41 @@ def test_bad_training_configs(tiny_folder, distill_dir, tmp_path):
     training.run(c)
 
 
+def _with(c, field, value):
+  """A copy of config c with a dotted field set (or added, for unknown fields)."""
+  c = c.copy_and_resolve_references()
+  c.unlock()
+  *path, last = field.split('.')
+  node = c
+  for p in path:
+    node = node[p]
+  node[last] = value
+  return c
+
+
+@pytest.mark.parametrize('field,value,match', [
+    ('train.step', 10, r'unknown training config field\(s\): train.step \(did you mean '
+                       r'train.steps\?\)'),
+    ('learning_rate', 1e-3, r'unknown training config field\(s\): learning_rate'),
+    ('drafter.n_kv_heads', 3, r'drafter.n_heads=4 must be a multiple of drafter.n_kv_heads=3'),
+    ('drafter.d_model', 0, r'drafter.d_model=0 must be >= 1'),
+    ('drafter.head_vocab', 10_000, r'head_vocab=10000 exceeds the target\'s vocabulary'),
+    ('drafter.feature_layers', (0, 9), r'feature_layers \[9\] outside the target'),
+    ('train.batch_size', 0, r'train.batch_size=0 must be >= 1'),
+    ('data.eval_fraction', 1.0, r'data.eval_fraction=1.0 must be in \[0, 1\)'),
+    ('loss.beta', 1.0, r'loss.beta=1.0 must be in \(0, 1\)'),
+    ('mesh.data', 2, r'mesh.data=2 x mesh.model=1 does not fit the 1 devices'),
+    ('mesh.model', 0, r'mesh.model=0: use a positive size or -1'),
+])
+def test_training_config_errors_name_the_field(tiny_folder, distill_dir, tmp_path, field, value,
+                                               match):
+  c = _with(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run')), field, value)
+  with pytest.raises(ValueError, match=match):
+    training.run(c)
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints') or not os.listdir(
+      tmp_path / 'run' / 'checkpoints')  # refused before anything is written
+
+
 def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   """train.py checkpoints (one exported to the shipped bfloat16 form) drive every drafter
   method of decode.py; the completions equal AR's; a drafter for another target is refused."""

@@ -1,0 +1,54 @@
+"""Start-up checks of ml_collections configs: unknown fields are named, with the closest known.
+
+A config file written by hand (or copied from an older version) can carry a misspelt field
+that would otherwise be ignored silently; `check_fields` refuses it before anything loads.
+"""
+from __future__ import annotations
+
+import difflib
+
+# The fields train.py reads (configs/drafter1.py, configs/drafter2.py).
+TRAIN_FIELDS = {
+    'kind': None, 'target': None, 'workdir': None, 'init_from': None,
+    'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
+                'feature_layers', 'rope_base', 'norm_eps', 'head_vocab'},
+    'data': {'source', 'path', 'tfds_dir', 'seq_len', 'eval_fraction'},
+    'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
+              'seed', 'precompute_features'},
+    'loss': {'decay', 'beta', 'tau'},
+    'mesh': {'data', 'model'}, 'distributed': None,
+    'log_every': None, 'eval_every': None, 'save_every': None, 'keep': None,
+    'progress_bar': None,
+}
+
+# The fields decode.py reads (configs/smollm2.py).
+DECODE_FIELDS = {
+    'target': None, 'dtype': None, 'method': None, 'gamma': None, 'ngram_max': None,
+    'drafter1': None, 'drafter2': None, 'n_branches': None, 'steps': None, 'order': None,
+    'tree_budget': None, 'leniency': None, 'prompt': None, 'prompts_file': None, 'chat': None,
+    'max_new_tokens': None, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None,
+    'batch_size': None, 'cache_len': None, 'output': None, 'mesh': {'data', 'model'},
+    'distributed': None,
+}
+
+
+def check_fields(config, schema: dict, what: str) -> None:
+  """Raises ValueError naming every field of `config` that `schema` does not know."""
+  unknown = []
+  for key in config.keys():
+    if key not in schema:
+      unknown.append((key, list(schema)))
+    elif isinstance(schema[key], set):
+      sub = config[key]
+      if not hasattr(sub, 'keys'):
+        raise ValueError(f'{key} must be a group of fields ({", ".join(sorted(schema[key]))}), '
+                         f'not {sub!r}')
+      unknown += [(f'{key}.{k}', [f'{key}.{s}' for s in schema[key]])
+                  for k in sub.keys() if k not in schema[key]]
+  if unknown:
+    lines = []
+    for name, known in unknown:
+      close = difflib.get_close_matches(name, known, n=1)
+      lines.append(f'{name}' + (f' (did you mean {close[0]}?)' if close else ''))
+    raise ValueError(f'unknown {what} config field(s): {"; ".join(lines)}. Remove or rename '
+                     'them; the documented fields are in configs/')
