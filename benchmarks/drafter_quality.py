@@ -71,7 +71,7 @@ class Scorer:
   def __init__(self, target, dcfg, dparams, n_anchors: int):
     self.target, self.dcfg, self.dparams, self.n_anchors = target, dcfg, dparams, n_anchors
     self.features = jax.jit(lambda p, t: training.target_features(p, target.cfg, dcfg, t))
-    self._score = jax.jit(self._score_fn, static_argnums=(6,))
+    self._score = jax.jit(self._score_fn)
 
   def _score_fn(self, dparams, tparams, tokens, feats, label_mask, first_anchor, prefix_len):
     L, G = tokens.shape[1], self.dcfg.gamma
@@ -82,15 +82,14 @@ class Scorer:
     return losses.drafter_loss(dparams, self.dcfg, tparams, self.target.cfg, tokens, feats,
                                label_mask, anchors, prefix, weights, calibrate=True)[1]
 
-  def __call__(self, tokens, n_prompt, feats, prefix_len: int):
+  def __call__(self, tokens, n_prompt, feats, prefix_len: int, padded: int):
     L = len(tokens)
-    padded = -(-L // BUCKET) * BUCKET
     tok = np.full((1, padded), self.target.tokenizer.pad_id, np.int32)
     tok[0, :L] = tokens
     mask = np.zeros((1, padded), bool)
     mask[0, n_prompt:L] = True  # labels: the target's completion only
     return jax.device_get(self._score(self.dparams, self.target.params, tok, feats, mask,
-                                      n_prompt - 1, prefix_len))
+                                      n_prompt - 1, jnp.int32(prefix_len)))
 
 
 def accumulate(stats: dict, m: dict):
@@ -123,14 +122,13 @@ def main():
                        'drafters built alike')
   scorers = {name: Scorer(target, dcfg, params, args.new_tokens) for name, (dcfg, params, _) in drafters.items()}
   stats = {(name, l): {} for name in scorers for l in range(G - 1)}
+  padded = -(-max(len(t) for t, _ in seqs) // BUCKET) * BUCKET  # one shape: one compilation
   for tokens, n_prompt in seqs:
-    L = len(tokens)
-    padded = -(-L // BUCKET) * BUCKET
     tok = np.full((1, padded), target.tokenizer.pad_id, np.int32)
-    tok[0, :L] = tokens
+    tok[0, :len(tokens)] = tokens
     feats = scorers['drafter1'].features(target.params, tok)
     for (name, l), s in stats.items():
-      accumulate(s, scorers[name](tokens, n_prompt, feats, l))
+      accumulate(s, scorers[name](tokens, n_prompt, feats, l, padded))
 
   # Drafter 1 from the anchor alone: what a chain sees.
   s = stats[('drafter1', 0)]

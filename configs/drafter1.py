@@ -31,6 +31,7 @@ def get_config():
   c.data.tfds_dir = 'data/tfds'  # python -m d2sd_jax.tfds_data --shards data/distill --data_dir ...
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
   c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
+  c.data.features_dir = ''  # precomputed teacher features ('' = workdir/features); runs share it
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 4  # sequences per step

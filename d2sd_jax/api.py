@@ -213,7 +213,7 @@ def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | N
     raise ValueError(f'target {target!r} has no tokenizer: a decoder needs one')
   drafters = {}
   for name, path in paths.items():
-    dcfg, params, _ = ckpt.load_drafter(decoding.resolve_path(path), tgt)
+    dcfg, params, _ = ckpt.load_drafter(path, tgt)
     if shard_drafter is not None:
       params = jax.device_put(params, shard_drafter(params))
     drafters[name] = (dcfg, params)

@@ -73,9 +73,22 @@ def manager(directory: str, keep: int | None = None, create: bool = True):
       max_to_keep=keep, create=create))
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+  """A relative path that is not found from the working directory is looked up from the
+  repository root (so the shipped drafters/ load from anywhere, notebooks included)."""
+  if os.path.isabs(path) or os.path.exists(path):
+    return path
+  candidate = os.path.join(REPO_ROOT, path)
+  return candidate if os.path.exists(candidate) else path
+
+
 def load_drafter(path: str, target: loaders.Target):
   """(DrafterConfig, float32 params, metadata) from a training workdir, its checkpoints/ folder,
   or an exported drafter folder; the latest step. Refuses a drafter made for another target."""
+  path = os.path.abspath(resolve_path(path))  # Orbax wants absolute paths
   directory = os.path.join(path, 'checkpoints') if os.path.isdir(
       os.path.join(path, 'checkpoints')) else path
   if not os.path.isdir(directory):

@@ -12,7 +12,7 @@ TRAIN_FIELDS = {
     'kind': None, 'target': None, 'workdir': None, 'init_from': None,
     'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                 'feature_layers', 'rope_base', 'norm_eps', 'head_vocab'},
-    'data': {'source', 'path', 'tfds_dir', 'seq_len', 'eval_fraction'},
+    'data': {'source', 'path', 'tfds_dir', 'seq_len', 'eval_fraction', 'features_dir'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
               'seed', 'precompute_features'},
     'loss': {'decay', 'beta', 'tau'},

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -23,7 +22,6 @@ from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import sharding
 from d2sd_jax import speculative as SP
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ('ar',) + tuple(drafting.METHODS)
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
@@ -170,15 +168,6 @@ class SpecRunner(Runner):
     return out, counts, int(steps), cycles, hist
 
 
-def resolve_path(path: str) -> str:
-  """A relative drafter path that is not found from the working directory is looked up from
-  the repository root (so the shipped drafters load from anywhere)."""
-  if os.path.isabs(path) or os.path.exists(path):
-    return path
-  candidate = os.path.join(REPO_ROOT, path)
-  return candidate if os.path.exists(candidate) else path
-
-
 def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int) -> int:
   """The usable cache length; a clear error when the prompt and new tokens do not fit."""
   limit = min(cache_len, target.cfg.max_position)
@@ -263,7 +252,7 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   if config.method != 'ar':
     for name in drafting.NEEDS[config.method]:
       if config[name]:
-        dcfg, dparams, _ = ckpt.load_drafter(resolve_path(config[name]), target)
+        dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
         if mesh is not None and mesh.size > 1:
           dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
         drafters[name] = (dcfg, dparams)

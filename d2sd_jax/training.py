@@ -249,11 +249,13 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
       dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
     opt_state = init_opt(dparams)
   feats = {'train': None, 'eval': None}
+  features_dir = os.path.abspath(config.data.get('features_dir') or os.path.join(workdir,
+                                                                                 'features'))
   if config.train.get('precompute_features'):
     for split in feats:
       if data.size(split):
         feats[split] = precompute_features(target, dcfg, data.tokens[split],
-                                           os.path.join(workdir, 'features', split),
+                                           os.path.join(features_dir, split),
                                            progress=config.progress_bar and chief)
 
   rows = sharding.process_rows(config.train.batch_size)
