@@ -148,6 +148,25 @@ def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill
   assert out['step'] == 9
 
 
+def test_crash_mid_save_is_never_loaded(tiny_folder, distill_dir, tmp_path):
+  """A save cut short (a killed process) leaves Orbax's temporary folder: resuming ignores it,
+  continues from the last finished checkpoint and ends exactly like an uninterrupted run."""
+  whole = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'a'), steps=9))
+  workdir = tmp_path / 'b'
+  training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=6))
+  ckpts = workdir / 'checkpoints'
+  partial = ckpts / '6.orbax-checkpoint-tmp-1764500000000000'  # what an interrupted save leaves
+  os.rename(ckpts / '6', partial)
+  for root, _, files in os.walk(partial):  # and half-written files in it
+    for name in files:
+      with open(os.path.join(root, name), 'r+b') as f:
+        f.truncate(os.path.getsize(os.path.join(root, name)) // 2)
+  resumed = training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=9))
+  assert resumed['step'] == 9
+  for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_training_reads_the_tfds_copy(tiny_folder, distill_dir, tmp_path):
   from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
   prepared = tfds_data.prepare(distill_dir, str(tmp_path / 'tfds'))
