@@ -1,10 +1,12 @@
 """What `train.py` runs: the optax loop that trains drafter 1 or drafter 2 (the VP drafter).
 
-The frozen target computes the context features inside the jitted step; anchors (and, for the
-VP drafter, prefix lengths) are drawn from fold_in(seed, step), and the batch of step t is a
-pure function of (seed, t): an interrupted run resumed from its checkpoint ends with exactly
-the parameters of an uninterrupted one. Checkpoints are Orbax (params, optimizer state, step)
-plus JSON metadata naming the target they were trained for.
+The frozen target's context features come either from inside the jitted step or, with
+`train.precompute_features` (the CPU recipe), from a float16 file computed once. Anchors (and,
+for the VP drafter, prefix lengths) are drawn from fold_in(seed, step), and the batch of step t
+is a pure function of (seed, t): an interrupted run (or one stopped by SIGTERM / SIGINT, which
+saves first) resumed from its checkpoint ends with exactly the parameters of an uninterrupted
+one. Checkpoints are Orbax (params, optimizer state, step) plus JSON metadata naming the target
+they were trained for. The step runs over a ('data', 'model') mesh (`d2sd_jax.sharding`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import loaders
 from d2sd_jax import losses
-from d2sd_jax import sharding
 from d2sd_jax import model as model_lib
+from d2sd_jax import sharding
 
 KINDS = ('drafter1', 'drafter2')
 

@@ -165,3 +165,40 @@ def test_bad_drafter_configs(tiny):
     D.init_params(D.DrafterConfig(feature_layers=(0, 5)), tcfg, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match='steps'):
     D.denoise(None, DCFG, None, tcfg, None, None, None, None, None, steps=0)
+
+
+def test_head_vocab_subset(setup):
+  """A drafter with a head of N tokens: the same logits as the full head on those tokens, -inf
+  elsewhere (decoding never proposes them), and training logits over the N tokens only."""
+  tcfg, tparams, dparams, seq, feats = setup
+  cfg_sub = D.DrafterConfig(**{**DCFG.__dict__, 'head_vocab': 16})
+  ids = D.choose_head_ids(jnp.bincount(seq.reshape(-1), length=tcfg.vocab_size),
+                          jnp.zeros(tcfg.vocab_size), 16)
+  sub = {**dparams, 'head_ids': ids}
+  counts = np.bincount(np.asarray(seq).reshape(-1), minlength=tcfg.vocab_size)
+  expected = sorted(range(tcfg.vocab_size), key=lambda t: (-counts[t], t))[:16]  # most frequent
+  assert np.asarray(ids).tolist() == sorted(expected)
+  B, G = seq.shape[0], DCFG.gamma
+  block, is_mask = seq[:, 5:5 + G], jnp.broadcast_to(jnp.arange(G) > 0, (B, G))
+  full = decode_time_logits(setup, 5, block, is_mask)
+  restricted = decode_time_logits((tcfg, tparams, sub, seq, feats), 5, block, is_mask)
+  np.testing.assert_allclose(restricted[..., ids], full[..., ids], rtol=1e-5, atol=1e-5)
+  outside = np.setdiff1d(np.arange(tcfg.vocab_size), np.asarray(ids))
+  assert np.all(np.isneginf(np.asarray(restricted)[..., outside]))
+  cache = D.init_context_cache(cfg_sub, B, 16)
+  cache = D.write_context(cache, sub, cfg_sub, feats[:, :5],
+                          jnp.broadcast_to(jnp.arange(5), (B, 5)), jnp.zeros(B, jnp.int32))
+  tokens, _, probs = D.denoise(sub, cfg_sub, tparams, tcfg, block, is_mask,
+                               jnp.broadcast_to(5 + jnp.arange(G), (B, G)), cache,
+                               jnp.broadcast_to(jnp.arange(16) < 5, (B, 16)), steps=2)
+  assert set(np.asarray(tokens)[:, 1:].reshape(-1).tolist()) <= set(ids.tolist())
+  np.testing.assert_allclose(np.asarray(probs)[..., outside], 0.0)
+  # Training: labels outside the head carry no loss and count as misses.
+  label = jnp.ones_like(seq, bool)
+  anchors = jnp.asarray([[3, 7], [2, 6]])
+  weights = jnp.ones((B, 2, G))
+  _, m = losses.drafter_loss(sub, cfg_sub, tparams, tcfg, seq, feats, label, anchors,
+                             jnp.zeros((B, 2), jnp.int32), weights)
+  assert np.all(np.isfinite(np.asarray(m['loss'])))
+  with pytest.raises(ValueError, match='head_vocab=999 exceeds'):
+    D.DrafterConfig(**{**DCFG.__dict__, 'head_vocab': 999}).check_target(tcfg)
