@@ -69,6 +69,7 @@ def restore(mngr, step: int, target, abstract: dict) -> dict:
 
 
 def manager(directory: str, keep: int | None = None, create: bool = True):
+  directory = os.path.abspath(directory)  # Orbax wants absolute paths
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=create))
 
