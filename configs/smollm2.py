@@ -11,11 +11,11 @@ def get_config():
   c.dtype = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
   # Decoding method: 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
   # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2).
-  c.method = 'ar'
+  c.method = 'd2sd'  # (needs the drafters below; method='ar' needs none)
   c.gamma = 8  # speculative block: the anchor + gamma-1 drafted tokens (drafters fix their own)
   c.ngram_max = 3  # pld: longest n-gram looked up in the context
-  c.drafter1 = ''  # drafter 1 checkpoint: a train.py workdir or an exported drafter folder
-  c.drafter2 = ''  # drafter 2 (VP drafter) checkpoint, for method='d2sd'
+  c.drafter1 = 'drafters/smollm2-drafter1'  # drafter 1: a train.py workdir or an exported drafter
+  c.drafter2 = 'drafters/smollm2-drafter2'  # drafter 2 (VP drafter), for method='d2sd'
   c.n_branches = 4  # K: branches re-drafted from drafter 1's likely rejection points
   c.steps = 1  # diffusion effort: denoising passes per drafted block
   c.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'

@@ -17,6 +17,7 @@ import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 def config_for(folder, **overrides):
   config = smollm2_config.get_config()
   config.target = folder
+  config.update(method='ar', drafter1='', drafter2='')  # the shipped drafters are SmolLM2's
   config.max_new_tokens = 12
   config.update(overrides)
   return config
@@ -136,12 +137,20 @@ def test_bad_prompts_file_lines(tiny_folder, tmp_path):
 
 
 def test_decode_py_on_smollm2():
-  """The README's command, on the real target, through the real entry point."""
-  proc = subprocess.run(
-      [sys.executable, 'decode.py', '--config', 'configs/smollm2.py', '--config.max_new_tokens=6',
-       '--config.prompt=What is the capital of France?'],
-      cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  stats = json.loads(proc.stdout.strip().split('\n')[-1])
-  assert stats['method'] == 'ar' and stats['new_tokens'] == 6
-  assert 'Paris' in proc.stdout
+  """The README's command, on the real target with the shipped drafters (D²SD is the default),
+  through the real entry point; the completion equals plain AR's."""
+  out = {}
+  for extra in ([], ['--config.method=ar']):
+    proc = subprocess.run(
+        [sys.executable, 'decode.py', '--config', 'configs/smollm2.py',
+         '--config.max_new_tokens=12', '--config.prompt=What is the capital of France?', *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *text, last = proc.stdout.strip().split('\n')
+    stats = json.loads(last)
+    out[stats['method']] = '\n'.join(text)
+    assert stats['new_tokens'] == 12
+    if stats['method'] == 'd2sd':
+      assert stats['cycles'] >= 1 and stats['tau'] >= 1.0
+  assert set(out) == {'d2sd', 'ar'}
+  assert out['d2sd'] == out['ar'] and 'Paris' in out['ar']
