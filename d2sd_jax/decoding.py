@@ -209,11 +209,14 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
   completions = []
   stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None}
   B = batch_size
+  # Every batch gets the same prompt width (the longest prompt's, bucketed): one prefill and one
+  # decode-loop program for the run, whatever the prompt lengths of each batch.
+  width = _round_up(max(len(p) for p in prompt_ids), PROMPT_BUCKET)
   for start in range(0, len(prompt_ids), B):
     rows = list(range(start, min(start + B, len(prompt_ids))))
     # A short last batch is filled with copies of its first row (same program, outputs dropped).
     batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
-    block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET)
+    block, lens = G.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET, width)
     block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
     keys = G.row_keys(seed, rows + [rows[0]] * (B - len(rows)))
     if start == 0:

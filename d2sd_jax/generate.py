@@ -122,11 +122,12 @@ def generate(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B, cache_s
   return decode_loop(params, cfg, settings, state)
 
 
-def pad_prompts(prompts: list[list[int]], pad_id: int, bucket: int = 64):
-  """Right-pads token lists into a [B, P] int32 block (P rounded up to `bucket`) + lengths."""
+def pad_prompts(prompts: list[list[int]], pad_id: int, bucket: int = 64, width: int = 0):
+  """Right-pads token lists into a [B, P] int32 block (P rounded up to `bucket`, and at least
+  `width`) + lengths."""
   if any(len(p) == 0 for p in prompts):
     raise ValueError('empty prompt: every prompt needs at least one token')
-  P = -(-max(len(p) for p in prompts) // bucket) * bucket
+  P = max(-(-max(len(p) for p in prompts) // bucket) * bucket, width)
   block = np.full((len(prompts), P), pad_id, np.int32)
   for b, p in enumerate(prompts):
     block[b, :len(p)] = p

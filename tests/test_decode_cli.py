@@ -154,3 +154,17 @@ def test_decode_py_on_smollm2():
       assert stats['cycles'] >= 1 and stats['tau'] >= 1.0
   assert set(out) == {'d2sd', 'ar'}
   assert out['d2sd'] == out['ar'] and 'Paris' in out['ar']
+
+
+def test_speculative_batches_of_different_prompt_widths(tiny_folder, tmp_path):
+  """Batches whose prompts pad to different widths (5 and 70 tokens, batch 1) share one
+  decode-loop program: every batch is padded to the run's widest prompt."""
+  prompts = tmp_path / 'p.jsonl'
+  prompts.write_text('\n'.join(json.dumps({'prompt': p}) for p in ['ab ab', 'xyz ' * 17 + 'xy']))
+  ids = {}
+  for method in ('ar', 'pld'):
+    out = tmp_path / f'{method}.jsonl'
+    run(config_for(tiny_folder, prompt='', prompts_file=str(prompts), chat=False, method=method,
+                   batch_size=1, output=str(out)))
+    ids[method] = [json.loads(line)['completion_ids'] for line in out.read_text().splitlines()]
+  assert ids['pld'] == ids['ar'] and len(ids['ar']) == 2
