@@ -60,7 +60,7 @@ class Decoder:
   def _check_method(self, method: str):
     if method not in decoding.METHODS:
       raise ValueError(f'method={method!r} is not one of {decoding.METHODS}')
-    missing = [n for n in drafting.NEEDS.get(method, ()) if n not in self.drafters]
+    missing = [n for n in (drafting.get(method).drafters if method != 'ar' else ()) if n not in self.drafters]
     if missing:
       raise ValueError(f'method={method!r} needs {missing}: load the decoder with '
                        + ', '.join(f'{n}=PATH' for n in missing))

@@ -22,7 +22,7 @@ from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import sharding
 from d2sd_jax import speculative as SP
 
-METHODS = ('ar',) + tuple(drafting.METHODS)
+METHODS = ('ar',) + tuple(drafting.REGISTRY)
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
 
@@ -184,7 +184,7 @@ def make_runner(target, settings: G.GenerationSettings, method: str, longest: in
                 drafters: dict, **spec_fields) -> Runner:
   """The AR or speculative runner for prompts of up to `longest` tokens.
 
-  drafters: {'drafter1': (DrafterConfig, params), ...} as the method needs (drafting.NEEDS);
+  drafters: {'drafter1': (DrafterConfig, params), ...} as the method needs (drafting.Method.drafters);
   spec_fields: the other SpecSettings fields (gamma, n_branches, steps, ...)."""
   prompt_block = _round_up(longest, PROMPT_BUCKET)
   if method == 'ar':
@@ -194,7 +194,7 @@ def make_runner(target, settings: G.GenerationSettings, method: str, longest: in
     return ARRunner(target, settings, cache_size)
   params = {'target': target.params}
   cfgs = {}
-  for name in drafting.NEEDS[method]:
+  for name in drafting.get(method).drafters:
     if name not in drafters:
       raise ValueError(f'method={method!r} needs {name}: set --config.{name}=PATH (a train.py '
                        'workdir or an exported drafter)')
@@ -253,7 +253,7 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
                                   pad_id=tok.pad_id, sampling=sampling_settings(config))
   drafters = {}
   if config.method != 'ar':
-    for name in drafting.NEEDS[config.method]:
+    for name in drafting.get(config.method).drafters:
       if config[name]:
         dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
         if mesh is not None and mesh.size > 1:

@@ -16,15 +16,44 @@ laws and are verified by recursive rejection (see tree.py).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import tree as tree_lib
 
-BRANCHED = ('dflash_resample', 'dflash_dflash', 'd2sd')
-NEEDS = {'pld': (), 'dflash': ('drafter1',), 'dflash_resample': ('drafter1',),
-         'dflash_dflash': ('drafter1',), 'd2sd': ('drafter1', 'drafter2')}
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A drafting method: one registry entry says everything the speculative step needs of it."""
+  draft: Callable[..., tree_lib.Tree]  # (params, cfg, settings, state) -> candidate Tree
+  drafters: tuple[str, ...] = ()  # parameter bundles it reads ('drafter1', 'drafter2')
+  # Candidate nodes it produces (the anchor included), before settings.tree_budget cuts them.
+  nodes: Callable[..., int] = lambda settings: settings.gamma
+  branched: bool = False  # re-drafts settings.n_branches branches (n_branches is checked)
+
+
+def _chain_and_branches(settings) -> int:
+  return settings.gamma + settings.n_branches * (settings.gamma - 1)
+
+
+REGISTRY: dict[str, Method] = {}  # filled at the bottom of this module
+
+
+def register(name: str, method: Method) -> None:
+  """Adds a drafting method (e.g. from a notebook or a test); decode.py's `method=` names it."""
+  if not isinstance(method, Method):
+    raise TypeError(f'{name}: register a drafting.Method, not {type(method).__name__}')
+  REGISTRY[name] = method
+
+
+def get(name: str) -> Method:
+  if name not in REGISTRY:
+    raise ValueError(f'method {name!r} is not one of {tuple(REGISTRY)}')
+  return REGISTRY[name]
 
 
 def pld(params, cfg, settings, state) -> tree_lib.Tree:
@@ -151,5 +180,8 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
   return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid, q_BxTxV=q)
 
 
-METHODS = {'pld': pld, 'dflash': dflash, 'dflash_resample': branched, 'dflash_dflash': branched,
-           'd2sd': branched}
+register('pld', Method(pld))
+register('dflash', Method(dflash, drafters=('drafter1',)))
+register('dflash_resample', Method(branched, ('drafter1',), _chain_and_branches, branched=True))
+register('dflash_dflash', Method(branched, ('drafter1',), _chain_and_branches, branched=True))
+register('d2sd', Method(branched, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))

@@ -41,20 +41,19 @@ class SpecSettings:
   leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
 
   def __post_init__(self):
-    if self.method not in drafting.METHODS:
-      raise ValueError(f'method {self.method!r} is not one of {tuple(drafting.METHODS)}')
+    method = drafting.get(self.method)  # raises, naming the known methods
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus at least one draft)')
     if self.ngram_max < 1:
       raise ValueError(f'ngram_max={self.ngram_max} must be >= 1')
-    for name in drafting.NEEDS[self.method]:
+    for name in method.drafters:
       dcfg = getattr(self, name)
       if dcfg is None:
         raise ValueError(f'method {self.method!r} needs {name}: configure its checkpoint')
       if dcfg.gamma != self.gamma:
         raise ValueError(f'{name} was built for gamma={dcfg.gamma}, the decode config says '
                          f'gamma={self.gamma}: set gamma={dcfg.gamma}')
-    if self.method in drafting.BRANCHED and not 1 <= self.n_branches <= self.gamma - 1:
+    if method.branched and not 1 <= self.n_branches <= self.gamma - 1:
       raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
     if self.steps < 1:
       raise ValueError(f'steps={self.steps} must be >= 1 (denoising passes per block)')
@@ -68,7 +67,7 @@ class SpecSettings:
 
   @property
   def drafters(self) -> tuple[str, ...]:
-    return drafting.NEEDS[self.method]
+    return drafting.get(self.method).drafters
 
   @property
   def feature_layers(self) -> tuple[int, ...]:
@@ -78,8 +77,7 @@ class SpecSettings:
   @property
   def tree_size(self) -> int:
     """Nodes verified per cycle, the anchor included."""
-    full = self.gamma + (self.n_branches * (self.gamma - 1)
-                         if self.method in drafting.BRANCHED else 0)
+    full = drafting.get(self.method).nodes(self)
     return min(full, self.tree_budget) if self.tree_budget else full
 
   @property
@@ -183,7 +181,7 @@ class Verified:
 
 def draft(params, cfg, settings: SpecSettings, state: SpecState) -> tree_lib.Tree:
   """Drafter 1, boundaries, drafter 2 (or prompt lookup): see drafting.py."""
-  return drafting.METHODS[settings.method](params, cfg, settings, state)
+  return drafting.get(settings.method).draft(params, cfg, settings, state)
 
 
 def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):

@@ -97,8 +97,7 @@ def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   ar, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(gen, gamma=5))
   reference = jnp.asarray([o + [0] * 8 for o in ar])
   method = 'oracle_wrong' if corrupt else 'oracle'  # distinct static settings -> own program
-  monkeypatch.setitem(drafting.METHODS, method, oracle_drafter(reference, corrupt))
-  monkeypatch.setitem(drafting.NEEDS, method, ())
+  monkeypatch.setitem(drafting.REGISTRY, method, drafting.Method(oracle_drafter(reference, corrupt)))
   spec = SP.SpecSettings(gen, method=method, gamma=5)
   ar2, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar == ar2
