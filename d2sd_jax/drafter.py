@@ -187,7 +187,7 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
 
 
 def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,
-            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence'):
+            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence', forbid_BxQ=None):
   """Fills the masked positions of Q / gamma blocks per row (side by side, each bidirectional
   within itself, all seeing the same context) in `steps` denoising passes.
 
@@ -196,6 +196,9 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   (`'left_to_right'`), and the next pass sees them. Confidence-ordered drafts are exact only as
   point masses (the verifier must treat them so); left-to-right ones come with their true
   conditionals.
+
+  forbid_BxQ: a token id each position may not draft (-1: none); its probability is removed
+  and the rest renormalised (the D2SD branches use it to never repeat the chain's token).
 
   Returns (tokens [B, Q], confidence [B, Q] = max prob when drafted (1 for given tokens),
   probs [B, Q, V] = the distribution each position was drafted from (one-hot for given tokens)).
@@ -219,6 +222,8 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   for _ in range(steps):
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
                      ctx_mask_BxS, block_mask)
+    if forbid_BxQ is not None:
+      logits = jnp.where(jnp.arange(V) == forbid_BxQ[..., None], -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     conf = jnp.max(jax.nn.softmax(logits / dcfg.confidence_temperature, axis=-1), axis=-1)
     pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)

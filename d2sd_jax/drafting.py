@@ -85,8 +85,10 @@ def pld(params, cfg, settings, state) -> tree_lib.Tree:
   return tree_lib.chain(state.anchor_B, draft, valid)
 
 
-def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG):
-  """K blocks per row through drafter `name` in one pass, after the committed context."""
+def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
+             forbid_BxKxG=None):
+  """K blocks per row through drafter `name` in one pass, after the committed context
+  (forbid: a token each position may not draft, -1 for none)."""
   B, K, G = tokens_BxKxG.shape
   S = state.draft_caches[name][0]['k'].shape[2]
   positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), (B, K, G))
@@ -95,7 +97,7 @@ def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG):
       params[name], getattr(settings, name), params['target'], cfg,
       tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
       positions.reshape(B, K * G), state.draft_caches[name], ctx_mask, settings.steps,
-      settings.order)
+      settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G))
   return tokens.reshape(B, K, G), conf.reshape(B, K, G), probs.reshape(B, K, G, -1)
 
 
@@ -121,41 +123,74 @@ def branch_points(conf_BxG: jax.Array, n_branches: int) -> jax.Array:
   return jax.lax.top_k(log_r, n_branches)[1].astype(jnp.int32)
 
 
-def branched(params, cfg, settings, state) -> tree_lib.Tree:
-  """Drafter 1's chain plus K branches from its likely rejection points, packed into one tree."""
-  B, G, K = state.seq_len_B.shape[0], settings.gamma, settings.n_branches
-  chain_tokens, conf, probs = first_draft(params, cfg, settings, state)
-  cut_BxK = branch_points(conf, K)
-  k = jnp.arange(G)
-  keep = k[None, None] <= cut_BxK[..., None]  # [B, K, G]: anchor + first i tokens
-  prefix = jnp.where(keep, chain_tokens[:, None], 0)
-  if settings.method == 'dflash_resample':
-    # Independent draws from drafter 1's distributions; the first re-drafted position excludes
-    # the chain's token there (the branch would otherwise repeat the chain).
-    cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
-    key = jax.vmap(lambda kk: jax.random.fold_in(kk, 1))(cycle_keys)  # not the target's draws
-    logp = jnp.log(jnp.broadcast_to(probs[:, None], (B, K, G, probs.shape[-1])))
-    first = k[None, None] == cut_BxK[..., None] + 1
-    is_chain_token = jnp.arange(probs.shape[-1]) == chain_tokens[:, None, :, None]
-    logp = jnp.where(first[..., None] & is_chain_token, -jnp.inf, logp)
-    drawn = jax.vmap(lambda kk, lp: jax.random.categorical(kk, lp))(key, logp)
-    branch_tokens = jnp.where(keep, prefix, drawn).astype(jnp.int32)
-    # The exact law of each drawn token (renormalised after the exclusion), so verification can
-    # use recursive rejection, which accepts sampled drafts more often than sample-and-match.
-    return pack_tree(state.anchor_B, chain_tokens, branch_tokens, cut_BxK, settings.tree_size,
-                     branch_laws_BxKxGxV=jax.nn.softmax(logp, axis=-1))
-  else:
-    name = 'drafter2' if settings.method == 'd2sd' else 'drafter1'
-    branch_tokens, _, _ = _denoise(params, cfg, settings, state, name, prefix,
-                                   jnp.broadcast_to(~keep, (B, K, G)))
-  return pack_tree(state.anchor_B, chain_tokens, branch_tokens, cut_BxK, settings.tree_size)
+def _chain_and_cuts(params, cfg, settings, state):
+  """Drafter 1's chain, its distributions, and the K branch prefixes at the likely rejection
+  points: (chain [B, G], probs [B, G, V], cut [B, K], prefix tokens [B, K, G], keep [B, K, G],
+  first re-drafted position [B, K, G])."""
+  G, K = settings.gamma, settings.n_branches
+  chain_BxG, conf_BxG, probs_BxGxV = first_draft(params, cfg, settings, state)
+  cut_BxK = branch_points(conf_BxG, K)
+  k = jnp.arange(G)[None, None]
+  keep_BxKxG = k <= cut_BxK[..., None]  # the anchor + the first i chain tokens
+  prefix_BxKxG = jnp.where(keep_BxKxG, chain_BxG[:, None], 0)
+  first_BxKxG = k == cut_BxK[..., None] + 1
+  return chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG
+
+
+def _redrafted(params, cfg, settings, state, name: str) -> tree_lib.Tree:
+  """Drafter 1's chain + K branches re-drafted by drafter `name` from its likely rejection
+  points, argmax drafts (point masses). A branch's first re-drafted token may not be the
+  chain's token there: such a branch would repeat chain nodes, and sample-and-match could
+  never enter it although it is verified."""
+  chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
+      params, cfg, settings, state)
+  forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)
+  branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, name, prefix_BxKxG, ~keep_BxKxG,
+                                forbid_BxKxG)
+  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size)
+
+
+def dflash_dflash(params, cfg, settings, state) -> tree_lib.Tree:
+  """Ablation: the branches re-drafted by drafter 1 itself."""
+  return _redrafted(params, cfg, settings, state, 'drafter1')
+
+
+def d2sd(params, cfg, settings, state) -> tree_lib.Tree:
+  """The method: the branches re-drafted by drafter 2 (the variable-prefix drafter)."""
+  return _redrafted(params, cfg, settings, state, 'drafter2')
+
+
+def dflash_resample(params, cfg, settings, state) -> tree_lib.Tree:
+  """Ablation: branch tokens drawn independently from drafter 1's own distributions (the
+  drafting stream of the cycle's keys), carrying their exact laws so that verification can
+  use recursive rejection. The first re-drafted position excludes the chain's token there,
+  renormalised; a branch with no mass left (the drafter was certain of the chain's token) is
+  dropped rather than drawn from an empty law."""
+  chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
+      params, cfg, settings, state)
+  B, K, G = prefix_BxKxG.shape
+  V = probs_BxGxV.shape[-1]
+  is_chain_token = jnp.arange(V) == chain_BxG[:, None, :, None]
+  law_BxKxGxV = jnp.where(first_BxKxG[..., None] & is_chain_token, 0.0, probs_BxGxV[:, None])
+  mass_BxKxG = jnp.sum(law_BxKxGxV, axis=-1)
+  usable_BxK = jnp.all(keep_BxKxG | (mass_BxKxG > 1e-20), axis=-1)
+  law_BxKxGxV = jnp.where((mass_BxKxG > 1e-20)[..., None],
+                          law_BxKxGxV / jnp.maximum(mass_BxKxG, 1e-20)[..., None],
+                          jax.nn.one_hot(chain_BxG[:, None], V))  # never drawn from or tried
+  draft_key_B, _ = state.cycle_keys
+  drawn_BxKxG = jax.vmap(lambda key, law: jax.random.categorical(key, jnp.log(law)))(
+      draft_key_B, law_BxKxGxV)
+  branch_BxKxG = jnp.where(keep_BxKxG, prefix_BxKxG, drawn_BxKxG).astype(jnp.int32)
+  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size,
+                   branch_laws_BxKxGxV=law_BxKxGxV, branch_valid_BxK=usable_BxK)
 
 
 def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
-              branch_laws_BxKxGxV=None) -> tree_lib.Tree:
+              branch_laws_BxKxGxV=None, branch_valid_BxK=None) -> tree_lib.Tree:
   """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
   until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0).
-  With `branch_laws`, the tree carries each node's proposal law (chain nodes: point masses)."""
+  With `branch_laws`, the tree carries each node's proposal law (chain nodes: point masses);
+  `branch_valid` marks whole branches as never to be accepted."""
   B, K, G = branches_BxKxG.shape
   p = jnp.arange(G)
   new = p[None, None] > cut_BxK[..., None]  # [B, K, G]
@@ -171,7 +206,9 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
   flat = lambda x: x.reshape(B, K * G)
   tokens = tokens.at[rows, flat(dest)].set(flat(branches_BxKxG), mode='drop')
   parents = parents.at[rows, flat(dest)].set(flat(parent).astype(jnp.int32), mode='drop')
-  valid = valid.at[rows, flat(dest)].set(True, mode='drop')
+  branch_ok = (jnp.ones((B, K), bool) if branch_valid_BxK is None else branch_valid_BxK)
+  valid = valid.at[rows, flat(dest)].set(flat(jnp.broadcast_to(branch_ok[..., None], (B, K, G))),
+                                         mode='drop')
   q = None
   if branch_laws_BxKxGxV is not None:
     V = branch_laws_BxKxGxV.shape[-1]
@@ -182,6 +219,7 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
 
 register('pld', Method(pld))
 register('dflash', Method(dflash, drafters=('drafter1',)))
-register('dflash_resample', Method(branched, ('drafter1',), _chain_and_branches, branched=True))
-register('dflash_dflash', Method(branched, ('drafter1',), _chain_and_branches, branched=True))
-register('d2sd', Method(branched, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
+register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_branches,
+                                   branched=True))
+register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True))
+register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))

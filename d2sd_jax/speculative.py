@@ -1,6 +1,15 @@
 """Speculative decoding as one XLA program: draft -> verify (one tree-masked target pass) ->
 accept -> commit (cache compaction), repeated inside one `lax.while_loop`.
 
+Shape letters (one meaning each, here and in drafting.py, tree.py and model.py):
+  B  rows of the batch                  V  vocabulary
+  L  committed-sequence buffer          D  target width
+  S  KV-cache slots                     T  tree nodes verified per cycle (node 0 = the anchor)
+  G  gamma: block length (the anchor + G-1 drafts)
+  K  branches re-drafted per cycle      C  commit slots per cycle (= G: G-1 drafts + bonus)
+  N  a count named where used (drafts of a chain, generated tokens)
+  Hkv  KV heads; Hg query heads per KV head; hd head width; Lf feature layers
+
 The state keeps, per row, the committed sequence (prompt + generated), the target KV cache
 holding all committed tokens but the newest (the anchor of the next cycle), and counters.
 Drafting methods (drafting.py) turn the state into a candidate tree. `params` is a bundle
@@ -87,22 +96,37 @@ class SpecSettings:
 
 @flax.struct.dataclass
 class SpecState:
-  cache: model_lib.Cache
-  cache_len_B: jax.Array  # committed tokens in the cache (= seq_len - 1)
-  seq_BxL: jax.Array  # committed tokens: prompt, then generated; pad after seq_len
-  seq_len_B: jax.Array
-  prompt_len_B: jax.Array
-  num_out_B: jax.Array  # generated tokens (EOS included)
-  done_B: jax.Array
-  row_key_B: jax.Array
-  cycles_B: jax.Array  # verification cycles run while the row was live
-  accepted_hist_BxK: jax.Array  # per row: how many cycles accepted k draft tokens
-  steps: jax.Array  # loop iterations
-  draft_caches: dict  # drafter name -> context K/V cache (committed tokens' target features)
+  """Everything a cycle reads and writes; per row b, the committed tokens are
+  seq[b, :seq_len[b]] and every cache holds exactly the first seq_len[b] - 1 of them."""
+  cache: model_lib.Cache  # target K/V per layer, [B, Hkv, S, hd]; slots >= cache_len are junk
+  cache_len_B: jax.Array  # int32: committed tokens in the caches (= seq_len - 1)
+  seq_BxL: jax.Array  # int32: prompt, then generated tokens; pad_id after seq_len
+  seq_len_B: jax.Array  # int32: committed tokens; the last one is the next cycle's anchor
+  prompt_len_B: jax.Array  # int32
+  num_out_B: jax.Array  # int32: generated tokens so far (EOS included)
+  done_B: jax.Array  # bool: EOS committed or max_new_tokens reached
+  row_key_B: jax.Array  # PRNG key per row (fold_in(seed, prompt index): batch-independent)
+  cycles_B: jax.Array  # int32: verification cycles run while the row was live
+  accepted_hist_BxK: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
+  steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
+  draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
 
   @property
   def anchor_B(self):
+    """The last committed token: node 0 of the next tree (not yet in any cache)."""
     return jnp.take_along_axis(self.seq_BxL, (self.seq_len_B - 1)[:, None], 1)[:, 0]
+
+  @property
+  def cycle_keys(self):
+    """(draft_key_B, accept_key_B): the two random streams of this cycle.
+
+    Each row's cycle key is fold_in(row key, committed length), so a row's draws depend on
+    neither its batch nor the cycles before. It is split once into a drafting stream (methods
+    that sample, e.g. dflash_resample, draw only from it) and an acceptance stream
+    (tree.node_keys: one key per node plus the bonus draw's). No key is in both streams."""
+    cycle_B = jax.vmap(jax.random.fold_in)(self.row_key_B, self.seq_len_B)
+    both_Bx2 = jax.vmap(lambda k: jax.random.split(k, 2))(cycle_B)
+    return both_Bx2[:, 0], both_Bx2[:, 1]
 
 
 def seq_buffer_len(prompt_len: int, settings: SpecSettings) -> int:
@@ -154,19 +178,12 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
 
 
 # ----------------------------------------------------------------------------------------------
-# Verification, acceptance, commit
+# The cycle: keys -> draft -> verify -> accept -> commit
 
 
-def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int):
-  """Moves the K/V of the accepted path's nodes (written at cache_len + node index by the
-  verification pass) to consecutive slots cache_len + depth."""
-
-  def layer(buf_BxKxSxhd):
-    window_BxKxTxhd = model_lib.read_rows(buf_BxKxSxhd, cache_len_B, tree_size)
-    moved = jnp.take_along_axis(window_BxKxTxhd, path_BxC[:, None, :, None], axis=2)
-    return model_lib.write_rows(buf_BxKxSxhd, moved, cache_len_B)
-
-  return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
+def draft(params, cfg, settings: SpecSettings, state: SpecState) -> tree_lib.Tree:
+  """Drafter 1, boundaries, drafter 2 (or prompt lookup, ...): the method's registry entry."""
+  return drafting.get(settings.method).draft(params, cfg, settings, state)
 
 
 @flax.struct.dataclass
@@ -176,12 +193,7 @@ class Verified:
   positions_BxT: jax.Array
   logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
   cache: model_lib.Cache  # target cache with every node's K/V written after the context
-  features: jax.Array | None  # target features of every node (for the drafters' context)
-
-
-def draft(params, cfg, settings: SpecSettings, state: SpecState) -> tree_lib.Tree:
-  """Drafter 1, boundaries, drafter 2 (or prompt lookup): see drafting.py."""
-  return drafting.get(settings.method).draft(params, cfg, settings, state)
+  features: jax.Array | None  # [B, T, Lf, D] target features of every node (drafter context)
 
 
 def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
@@ -195,65 +207,102 @@ def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib
                   cache, feats)
 
 
-def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree,
-                      v: Verified) -> SpecState:
-  """The longest accepted path + the target's own token after it, committed: tokens truncated at
-  EOS and max_new_tokens exactly where AR would stop, caches compacted to the committed tokens."""
-  gen = settings.generation
-  B = state.seq_BxL.shape[0]
-  rows = jnp.arange(B)
-  live_B = ~state.done_B
-  cycle_keys = jax.vmap(jax.random.fold_in)(state.row_key_B, state.seq_len_B)
-  sampled_drafts = tree.q_BxTxV is not None and not gen.sampling.greedy
-  if settings.leniency > 0 or sampled_drafts:
+@flax.struct.dataclass
+class Accepted:
+  accept_len_B: jax.Array  # draft tokens accepted (depth of the deepest accepted node)
+  bonus_B: jax.Array  # the target's own token after them
+  path_BxC: jax.Array  # node indices from the anchor down the accepted path, padded
+
+
+def accept(settings: SpecSettings, tree: tree_lib.Tree, v: Verified, accept_key_B) -> Accepted:
+  """The longest accepted path and the bonus token (tree.py has the rules)."""
+  sampling = settings.generation.sampling
+  if settings.leniency > 0 or (tree.q_BxTxV is not None and not sampling.greedy):
     # Recursive rejection over siblings: drafts with their laws (point masses when none),
     # accepted with min(1, t(x)/q(x)), t = (1-λ) r + λ q.
     _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_recursive(
-        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys,
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, sampling, accept_key_B,
         leniency=settings.leniency, q_BxTxV=tree.q_BxTxV)
   else:  # exact: sample-and-match (greedy matching at T = 0)
     _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
-        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, gen.sampling, cycle_keys)
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, sampling, accept_key_B)
+  return Accepted(n_acc_B, bonus_B, path_BxT[:, :settings.max_commit])
 
-  C = settings.max_commit
-  path_BxC = path_BxT[:, :C]  # a path is at most gamma nodes deep (anchor included)
-  path_tokens = jnp.take_along_axis(tree.tokens_BxT, path_BxC, 1)  # path[0] = anchor
-  drafted_BxC = jnp.pad(path_tokens[:, 1:], ((0, 0), (0, 1)))
+
+def committed_tokens(gen: generate_lib.GenerationSettings, state: SpecState, path_tokens_BxC,
+                     acc: Accepted):
+  """What this cycle commits: the accepted drafts then the bonus, cut exactly where AR stops
+  (after an EOS, or at max_new_tokens). Returns (tokens [B, C], count [B], hit_eos [B])."""
+  C = path_tokens_BxC.shape[1]
   j = jnp.arange(C)[None]
-  new_BxC = jnp.where(j < n_acc_B[:, None], drafted_BxC,
-                      jnp.where(j == n_acc_B[:, None], bonus_B[:, None], gen.pad_id))
-  is_eos = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc_B[:, None])
-  first_eos = jnp.min(jnp.where(is_eos, j, C), axis=1)
-  room = gen.max_new_tokens - state.num_out_B
-  n_commit = jnp.minimum(jnp.minimum(n_acc_B + 1, first_eos + 1), room)
-  n_commit = jnp.where(live_B, n_commit, 0)
-  keep = j < n_commit[:, None]
-  seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
-      jnp.where(keep, new_BxC, gen.pad_id), mode='drop')
+  n_acc = acc.accept_len_B[:, None]
+  drafted_BxC = jnp.pad(path_tokens_BxC[:, 1:], ((0, 0), (0, 1)))  # path[0] is the anchor
+  new_BxC = jnp.where(j < n_acc, drafted_BxC, jnp.where(j == n_acc, acc.bonus_B[:, None],
+                                                           gen.pad_id))
+  is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)
+  first_eos_B = jnp.min(jnp.where(is_eos_BxC, j, C), axis=1)
+  room_B = gen.max_new_tokens - state.num_out_B
+  n_commit_B = jnp.minimum(jnp.minimum(acc.accept_len_B + 1, first_eos_B + 1), room_B)
+  n_commit_B = jnp.where(state.done_B, 0, n_commit_B)
+  return new_BxC, n_commit_B, first_eos_B < n_commit_B
 
-  cache = compact_cache(v.cache, state.cache_len_B, path_BxC, tree.size)
+
+def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int):
+  """Moves the K/V of the accepted path's nodes (written at cache_len + node index by the
+  verification pass) to consecutive slots cache_len + depth."""
+
+  def layer(buf_BxHkvxSxhd):
+    window_BxHkvxTxhd = model_lib.read_rows(buf_BxHkvxSxhd, cache_len_B, tree_size)
+    moved = jnp.take_along_axis(window_BxHkvxTxhd, path_BxC[:, None, :, None], axis=2)
+    return model_lib.write_rows(buf_BxHkvxSxhd, moved, cache_len_B)
+
+  return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
+
+
+def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
+           acc: Accepted) -> SpecState:
+  """Appends the committed tokens and brings every cache to exactly the committed tokens: the
+  target's by compaction, the drafters' by writing the accepted path's target features."""
+  gen = settings.generation
+  rows = jnp.arange(state.seq_BxL.shape[0])
+  live_B = ~state.done_B
+  path_tokens_BxC = jnp.take_along_axis(tree.tokens_BxT, acc.path_BxC, 1)
+  new_BxC, n_commit_B, hit_eos_B = committed_tokens(gen, state, path_tokens_BxC, acc)
+  j = jnp.arange(new_BxC.shape[1])[None]
+  seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
+      jnp.where(j < n_commit_B[:, None], new_BxC, gen.pad_id), mode='drop')
+  # Slots past the committed ones may keep stale K/V: attention never reads beyond cache_len.
+  cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)
   draft_caches = state.draft_caches
-  if settings.drafters:  # the accepted path's features extend the drafters' context
-    path_feats = jnp.take_along_axis(v.features, path_BxC[:, :, None, None], axis=1)
-    path_pos = jnp.take_along_axis(v.positions_BxT, path_BxC, axis=1)
+  if settings.drafters:
+    path_feats = jnp.take_along_axis(v.features, acc.path_BxC[:, :, None, None], axis=1)
+    path_pos = jnp.take_along_axis(v.positions_BxT, acc.path_BxC, axis=1)
     draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
                                           state.cache_len_B)
-  num_out = state.num_out_B + n_commit
-  done = state.done_B | (live_B & ((first_eos < n_commit) | (num_out >= gen.max_new_tokens)))
-  hist = state.accepted_hist_BxK.at[rows, n_acc_B].add(live_B)
-  return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit,
-                       seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit, num_out_B=num_out,
+  num_out = state.num_out_B + n_commit_B
+  done = state.done_B | (live_B & (hit_eos_B | (num_out >= gen.max_new_tokens)))
+  hist = state.accepted_hist_BxK.at[rows, acc.accept_len_B].add(live_B)
+  return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
+                       seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxK=hist, steps=state.steps + 1,
                        draft_caches=draft_caches)
 
 
+def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree,
+                      v: Verified) -> SpecState:
+  """accept -> commit as one stage (what the per-stage benchmarks time)."""
+  return commit(params, settings, state, tree, v, accept(settings, tree, v, state.cycle_keys[1]))
+
+
 def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
               state: SpecState) -> SpecState:
-  """One cycle: draft -> verify -> accept -> commit."""
+  """One cycle, top to bottom."""
+  _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
   tree = draft(params, cfg, settings, state)
-  return accept_and_commit(params, settings, state, tree, verify(params, cfg, settings, state,
-                                                                  tree))
+  verified = verify(params, cfg, settings, state, tree)
+  accepted = accept(settings, tree, verified, accept_key_B)
+  return commit(params, settings, state, tree, verified, accepted)
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,

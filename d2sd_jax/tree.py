@@ -68,6 +68,12 @@ def reachable(tree: Tree) -> jax.Array:
   return tree.valid_BxT & ~dup
 
 
+def node_keys(accept_key_B: jax.Array, T: int) -> jax.Array:
+  """[B, T + 1] keys of the acceptance stream: one per node (the target's draw there), then the
+  bonus draw's."""
+  return jax.vmap(lambda k: jax.random.split(k, T + 1))(accept_key_B)
+
+
 def accept_point_mass(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
                       target_logits_BxTxV: jax.Array, settings: sampling_lib.SamplingSettings,
                       rng_B: jax.Array):
@@ -81,7 +87,7 @@ def accept_point_mass(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   path node indices [B, T] by depth, padded with the best node).
   """
   B, T = tree.tokens_BxT.shape
-  keys = jax.vmap(lambda k: jax.random.split(k, T))(rng_B)  # [B, T] keys, one per node
+  keys = node_keys(rng_B, T)[:, :T]  # one per node
   y_BxT = jax.vmap(jax.vmap(lambda k, lg: sampling_lib.sample(k, lg, settings)))(
       keys, target_logits_BxTxV)
   y_at_parent = jnp.take_along_axis(y_BxT, tree.parents_BxT, axis=1)
@@ -114,9 +120,20 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   probability min(1, t(x) / q(x)), t = (1-λ) r + λ q; on rejection r <- norm(max(t - q, 0)) and
   the next sibling is tried; on acceptance the walk moves to x with r = p there. When no child
   is accepted the bonus token is drawn from r. For a point mass this is: accept with
-  λ + (1-λ) r(x), else remove x from r. λ = 0 is exact (the output follows the target's law);
-  λ > 0 trades fidelity for acceptance (at most λ·TV(p, q) per token). Sibling laws must be
-  the exact laws each sibling was drawn from, renormalised after excluding earlier siblings.
+  λ + (1-λ) r(x), else remove x from r. Sibling laws must be the exact laws each sibling was
+  drawn from, renormalised after excluding earlier siblings.
+
+  λ = 0 is exact: every emitted token follows the target's law given the tokens before it.
+  λ > 0 trades fidelity for acceptance; λ is applied again at every sibling tried, so the drift
+  of a token grows with m, the number of children its node has in the tree:
+    one child with law q:           the token's law is (1-λ) p + λ q, TV to p = λ·TV(p, q);
+    m point-mass children x_1..x_m: TV to p = (1 - (1-λ)^m) · (1 - p({x_1..x_m})) exactly;
+    m children with any laws:       TV to p <= 1 - (1-λ)^m  (<= m·λ).
+  (For m point masses, each child's acceptance λ + (1-λ) r(x_i) telescopes: all m are rejected
+  with probability (1-λ)^m p(outside), and tokens outside the children keep only that share of
+  their mass. For general laws, each sibling emits exactly its own lenient target t_i against
+  the residual, so the error recurses as D_i <= λ + (1-λ) D_{i+1}.) A chain (m = 1 at every
+  node) keeps the single-draft bound λ·TV(p, q); tests/test_acceptance.py enumerates both.
 
   Returns the same tuple as `accept_point_mass`.
   """
@@ -125,7 +142,7 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   V = p_BxTxV.shape[-1]
   # Point-mass siblings repeating an earlier token could never be accepted; skip them.
   candidate = (reachable(tree) if q_BxTxV is None else tree.valid_BxT) & (jnp.arange(T) > 0)
-  keys = jax.vmap(lambda k: jax.random.split(k, T + 1))(rng_B)  # per node, + the bonus draw
+  keys = node_keys(rng_B, T)  # per node, + the bonus draw
   u_BxT = jax.vmap(jax.vmap(jax.random.uniform))(keys[:, :T])
   rows = jnp.arange(B)
 
@@ -138,7 +155,12 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
     ratio = t_BxV[rows, x] / jnp.maximum(q_BxV[rows, x], 1e-30)
     accept = try_it & (u_BxT[:, j] < jnp.minimum(1.0, ratio))
     rest = jnp.maximum(t_BxV - q_BxV, 0.0)
-    rest = rest / jnp.maximum(jnp.sum(rest, -1, keepdims=True), 1e-30)
+    rest_mass = jnp.sum(rest, -1, keepdims=True)
+    # The rejection probability is exactly rest_mass; when it is 0 (t = q up to rounding) a
+    # rejection can only be a rounding artefact, and would leave an empty residual (whose
+    # "draw" would be token 0): accept instead.
+    accept = accept | (try_it & (rest_mass[:, 0] <= 0.0))
+    rest = rest / jnp.maximum(rest_mass, 1e-30)
     r_BxV = jnp.where(accept[:, None], p_BxTxV[:, j], jnp.where(try_it[:, None], rest, r_BxV))
     return jnp.where(accept, j, node), r_BxV
 
