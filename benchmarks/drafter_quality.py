@@ -53,7 +53,7 @@ def target_sequences(prompts, args, target):
         f.write(json.dumps({'prompt': p}) + '\n')
     c = smollm2_config.get_config()
     out = os.path.join(tmp, 'ar.jsonl')
-    c.update(method='ar', prompt='', prompts_file=prompts_file, chat=args.chat,
+    c.update(method='ar', prompts_file=prompts_file, chat=args.chat,
              max_new_tokens=args.new_tokens, output=out)
     decoding.run(c, out=io.StringIO())
     with open(out) as f:

@@ -59,10 +59,10 @@ def main():
     def run(method):
       c = smollm2_config.get_config()
       out = os.path.join(tmp, f'{method}.jsonl')
-      c.update(method=method, prompt='', prompts_file=prompts_file, chat=args.chat,
-               max_new_tokens=args.new_tokens, output=out, gamma=args.gamma,
-               drafter1=args.drafter1, drafter2=args.drafter2, n_branches=args.n_branches,
-               tree_budget=args.tree_budget)
+      c.update(method=method, prompts_file=prompts_file, chat=args.chat, batch_size=1,
+               max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
+               drafter2=args.drafter2, stage_times=method != 'ar')
+      c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget)
       stats = decoding.run(c, out=io.StringIO())
       with open(out) as f:
         return stats, [json.loads(line)['completion_ids'] for line in f]

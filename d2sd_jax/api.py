@@ -24,16 +24,14 @@ import tokenizers
 
 from d2sd_jax import checkpoints as ckpt
 from d2sd_jax import decoding
-from d2sd_jax import drafting
-from d2sd_jax import generate as G
 from d2sd_jax import loaders
 from d2sd_jax import model as model_lib
-from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import tokenizer as tokenizer_lib
 
 DECODER_FILE = 'd2sd_decoder.json'
 TARGET_FILE = 'd2sd_target.json'
-DRAFTERS = ('drafter1', 'drafter2')
+DRAFTERS = decoding.DRAFTERS
+_DEFAULTS = decoding.Options(method='ar')  # generate()'s defaults are decoding.Options'
 
 
 @dataclasses.dataclass
@@ -52,69 +50,31 @@ class Decoder:
     self.drafters = dict(drafters or {})  # name -> (DrafterConfig, params)
     if method is None:
       method = 'd2sd' if len(self.drafters) == 2 else 'dflash' if self.drafters else 'ar'
-    self._check_method(method)
+    decoding.check(decoding.Options(method=method), self.drafters)
     self.method = method
     self.mesh = mesh
-    self._runners = {}
+    self._runners = {}  # compiled programs, reused by calls with the same shapes
 
-  def _check_method(self, method: str):
-    if method not in decoding.METHODS:
-      raise ValueError(f'method={method!r} is not one of {decoding.METHODS}')
-    missing = [n for n in (drafting.get(method).drafters if method != 'ar' else ()) if n not in self.drafters]
-    if missing:
-      raise ValueError(f'method={method!r} needs {missing}: load the decoder with '
-                       + ', '.join(f'{n}=PATH' for n in missing))
+  def generate(self, prompts: str | list[str], max_new_tokens: int = _DEFAULTS.max_new_tokens,
+               *, method: str | None = None, chat: bool = _DEFAULTS.chat,
+               temperature: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.top_k,
+               top_p: float = _DEFAULTS.top_p, seed: int = _DEFAULTS.seed,
+               batch_size: int = _DEFAULTS.batch_size, cache_len: int = _DEFAULTS.cache_len,
+               stage_times: bool = _DEFAULTS.stage_times, **spec) -> Generation:
+    """Completes each prompt through decode.py's path (`decoding.generate`, same defaults).
 
-  def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, chat: bool = True,
-               method: str | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, gamma: int | None = None, n_branches: int | None = None,
-               steps: int = 1, order: str = 'confidence', tree_budget: int = 0,
-               leniency: float = 0.0, ngram_max: int = 3, batch_size: int | None = None,
-               seed: int = 0, cache_len: int = 8192) -> Generation:
-    """Completes each prompt (gamma: the drafters' block; n_branches: K, by default
-    min(4, gamma-1)); the stats include tau and the acceptance histogram for
-    speculative methods. Repeated calls with the same shapes reuse the compiled programs."""
-    method = method or self.method
-    self._check_method(method)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-      raise ValueError('no prompts: give a string or a non-empty list of strings')
-    if max_new_tokens < 1:
-      raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
-    tok = self.target.tokenizer
-    prompt_ids = [tok.encode_prompt(p, chat) for p in prompts]
-    longest = max(len(p) for p in prompt_ids)
-    limit = decoding.cache_limit(self.target, longest, max_new_tokens, cache_len)
-    settings = G.GenerationSettings(
-        max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids, pad_id=tok.pad_id,
-        sampling=sampling_lib.SamplingSettings(temperature=float(temperature), top_k=int(top_k),
-                                               top_p=float(top_p)))
-    if gamma is None:
-      gamma = self.drafters['drafter1'][0].gamma if 'drafter1' in self.drafters else 8
-    if n_branches is None:
-      n_branches = min(4, gamma - 1)
-    spec = dict(gamma=gamma, ngram_max=ngram_max, n_branches=n_branches, steps=steps,
-                order=order, tree_budget=tree_budget, leniency=leniency)
-    key = (method, settings, decoding._round_up(longest, decoding.PROMPT_BUCKET), limit,
-           tuple(sorted(spec.items())))
-    if key not in self._runners:
-      self._runners[key] = decoding.make_runner(self.target, settings, method, longest, limit,
-                                                self.drafters, **(spec if method != 'ar' else {}))
-    runner = self._runners[key]
-    batch = batch_size or min(len(prompts), 8)
-    ids, st = decoding.decode_prompts(runner, tok, prompt_ids, batch, seed)
-    texts = [tok.decode([t for t in row if t not in tok.eos_ids]) for row in ids]
-    new_tokens = sum(len(row) for row in ids)
-    decode_tokens = new_tokens - len(prompts)
-    stats = {'method': method, 'prompts': len(prompts), 'new_tokens': new_tokens,
-             'prefill_s': round(st['prefill_s'], 4), 'decode_s': round(st['decode_s'], 4),
-             'decode_tokens_per_s': round(decode_tokens / st['decode_s'], 2)
-             if st['decode_s'] > 0 else None}
-    if method != 'ar':
-      stats.update(cycles=st['cycles'],
-                   tau=round(decode_tokens / st['cycles'], 3) if st['cycles'] else None,
-                   accepted_histogram=[int(h) for h in st['hist']])
-    return Generation(texts=texts, ids=ids, stats=stats)
+    spec: speculative knobs, the fields of `speculative.SpecSettings` (gamma: by default the
+    drafters' block; n_branches: K, by default min(4, gamma-1); steps, order, tree_budget,
+    leniency, ngram_max). The stats include tau and the acceptance histogram for speculative
+    methods. Repeated calls with the same shapes reuse the compiled programs."""
+    options = decoding.Options(
+        method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
+        cache_len=cache_len, spec=spec, stage_times=stage_times)
+    completions, stats = decoding.generate(self.target, self.drafters, prompts, options,
+                                           self._runners)
+    return Generation(texts=[c['completion'] for c in completions],
+                      ids=[c['completion_ids'] for c in completions], stats=stats)
 
   def save(self, directory: str) -> str:
     """Target (parameters, architecture, tokenizer) and drafters as Orbax checkpoints in one
@@ -209,8 +169,7 @@ def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | N
       tgt = dataclasses.replace(tgt, params=jax.device_put(tgt.params,
                                                            shard_target(tgt.params)))
     paths = {n: p for n, p in (('drafter1', drafter1), ('drafter2', drafter2)) if p}
-  if tgt.tokenizer is None:
-    raise ValueError(f'target {target!r} has no tokenizer: a decoder needs one')
+  decoding.tokenizer_of(tgt)  # refused now, not at the first generate()
   drafters = {}
   for name, path in paths.items():
     dcfg, params, _ = ckpt.load_drafter(path, tgt)

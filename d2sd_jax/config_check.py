@@ -5,7 +5,17 @@ that would otherwise be ignored silently; `check_fields` refuses it before anyth
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+
+from d2sd_jax import speculative
+
+# SpecSettings fields that are not knobs: the generation settings, the method and the drafters'
+# configs come from elsewhere. Every other field is a knob: one line of the decode config's `spec`
+# group, one keyword of Decoder.generate; nothing else needs to know it.
+NOT_KNOBS = ('generation', 'method', 'drafter1', 'drafter2')
+SPEC_KNOBS = tuple(f.name for f in dataclasses.fields(speculative.SpecSettings)
+                   if f.name not in NOT_KNOBS)
 
 # The fields train.py reads (configs/drafter1.py, configs/drafter2.py).
 TRAIN_FIELDS = {
@@ -23,12 +33,11 @@ TRAIN_FIELDS = {
 
 # The fields decode.py reads (configs/smollm2.py).
 DECODE_FIELDS = {
-    'target': None, 'dtype': None, 'method': None, 'gamma': None, 'ngram_max': None,
-    'drafter1': None, 'drafter2': None, 'n_branches': None, 'steps': None, 'order': None,
-    'tree_budget': None, 'leniency': None, 'prompt': None, 'prompts_file': None, 'chat': None,
+    'target': None, 'dtype': None, 'method': None, 'drafter1': None, 'drafter2': None,
+    'spec': set(SPEC_KNOBS), 'prompt': None, 'prompts_file': None, 'chat': None,
     'max_new_tokens': None, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None,
-    'batch_size': None, 'cache_len': None, 'output': None, 'mesh': {'data', 'model'},
-    'distributed': None,
+    'batch_size': None, 'cache_len': None, 'stage_times': None, 'output': None,
+    'mesh': {'data', 'model'}, 'distributed': None,
 }
 
 

@@ -1,7 +1,10 @@
-"""What `decode.py` runs: load the target, read prompts, generate in batches, report stats.
+"""The one generation path: `generate(target, drafters, prompts, options)`.
 
-The last stdout line is one JSON object of stats (timings exclude compilation):
-  method, prompts, new_tokens, compile_s, prefill_s, decode_s, decode_tokens_per_s, ...
+decode.py's config (`run`) and the notebook API's keywords (`Decoder.generate`) both become an
+`Options` and go through `generate`, so they share the defaults, the checks, the compiled
+programs and the stats. decode.py prints the completions, then, as its last stdout line, one
+JSON object of stats (timings exclude compilation):
+  method, target, prompts, new_tokens, compile_s, prefill_s, decode_s, decode_tokens_per_s, ...
 """
 from __future__ import annotations
 
@@ -22,38 +25,116 @@ from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import sharding
 from d2sd_jax import speculative as SP
 
-METHODS = ('ar',) + tuple(drafting.REGISTRY)
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 CACHE_BUCKET = 64
+DRAFTERS = ('drafter1', 'drafter2')  # config fields / Decoder.drafters keys of drafter paths
+AUTO_BATCH = 8  # batch_size=0: the prompts decoded together, this many at most
+# decode.py with neither prompt nor prompts_file: a demo prompt (so an explicit prompts_file
+# never collides with a default prompt).
+DEMO_PROMPT = 'Write a Python function that returns the n-th Fibonacci number.'
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Start-up checks that name the field and the fix."""
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """One generation request besides the models and prompts. decode.py's config
+  (`options_from_config`) and Decoder.generate's keywords both become this: the defaults live
+  here (configs/smollm2.py repeats them, a test keeps the two equal)."""
+  method: str  # 'ar' or a drafting method (drafting.REGISTRY, read at call time)
+  max_new_tokens: int = 128  # per prompt; generation also stops at EOS
+  chat: bool = True  # wrap each prompt in the target's chat template
+  temperature: float = 0.0  # 0 = greedy
+  top_k: int = 0  # 0 = off
+  top_p: float = 1.0  # 1 = off
+  seed: int = 0  # row r of the prompt list samples with fold_in(seed, r)
+  batch_size: int = 0  # prompts decoded together (0 = all of them, AUTO_BATCH at most)
+  cache_len: int = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
+  # SpecSettings knobs (gamma, n_branches, steps, ...); a missing one takes `spec_fields`' default.
+  spec: dict = dataclasses.field(default_factory=dict)
+  stage_times: bool = False  # also time draft / verify / accept alone (3 more programs compile)
+
+
+def methods() -> tuple[str, ...]:
+  """'ar' and every drafting method registered now (drafting.register may add one any time)."""
+  return ('ar',) + tuple(drafting.REGISTRY)
+
+
+def drafters_needed(method: str) -> tuple[str, ...]:
+  return () if method == 'ar' else drafting.get(method).drafters
+
+
+def generation_settings(options: Options, eos_ids=(), pad_id: int = 0) -> G.GenerationSettings:
+  """The settings dataclasses own their checks (max_new_tokens, temperature, top_k, top_p)."""
+  sampling = sampling_lib.SamplingSettings(temperature=float(options.temperature),
+                                           top_k=int(options.top_k), top_p=float(options.top_p))
+  return G.GenerationSettings(max_new_tokens=options.max_new_tokens, eos_ids=tuple(eos_ids),
+                              pad_id=pad_id, sampling=sampling)
+
+
+def check(options: Options, drafters) -> None:
+  """Every check that needs no model, before anything loads. `drafters`: the drafter names at
+  hand (loaded, or given as paths). The speculative knobs' values are checked by SpecSettings."""
+  if options.method not in methods():
+    raise ValueError(f'method={options.method!r} is not one of {methods()}')
+  missing = [n for n in drafters_needed(options.method) if n not in drafters]
+  if missing:
+    raise ValueError(
+        f'method={options.method!r} needs {" and ".join(missing)} (a train.py workdir or an '
+        'exported drafter): ' + ', '.join(f'--config.{n}=PATH' for n in missing) +
+        ' in decode.py, d2sd_jax.load(..., ' + ', '.join(f'{n}=PATH' for n in missing) +
+        ') in a notebook')
+  generation_settings(options)
+  if options.batch_size < 0:
+    raise ValueError(f'batch_size={options.batch_size} must be >= 1, or 0 (all prompts together, '
+                     f'{AUTO_BATCH} at most)')
+  if options.cache_len < 2:
+    raise ValueError(f'cache_len={options.cache_len} must be >= 2 (prompt + new tokens per row)')
+  config_check.check_fields(options.spec, dict.fromkeys(config_check.SPEC_KNOBS), 'speculative')
+
+
+def _spec_default(name: str):
+  return {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)}[name]
+
+
+def spec_fields(options: Options, drafters: dict) -> dict:
+  """The request's SpecSettings knobs; of those it leaves out (or None), gamma is drafter 1's
+  block length when drafter 1 is at hand and n_branches is capped at gamma-1; the others take
+  SpecSettings' defaults."""
+  if options.method == 'ar':
+    return {}
+  spec = {k: v for k, v in options.spec.items() if v is not None}
+  if 'gamma' not in spec and 'drafter1' in drafters:
+    spec['gamma'] = drafters['drafter1'][0].gamma
+  if 'n_branches' not in spec:
+    spec['n_branches'] = min(_spec_default('n_branches'),
+                             spec.get('gamma', _spec_default('gamma')) - 1)
+  return spec
+
+
+def options_from_config(config: ml_collections.ConfigDict) -> Options:
+  """Options from a decode config: the top-level fields of the same names and the `spec` group
+  (a field the config leaves out takes Options' default)."""
+  given = {f.name: config[f.name] for f in dataclasses.fields(Options)
+           if f.name != 'spec' and f.name in config}
+  spec = config.get('spec') or {}
+  return Options(**given, spec=spec.to_dict() if hasattr(spec, 'to_dict') else dict(spec))
+
+
+def validate(config: ml_collections.ConfigDict) -> Options:
+  """decode.py's start-up checks, before anything loads: they name the field and the fix."""
   config_check.check_fields(config, config_check.DECODE_FIELDS, 'decode')
-  if config.method not in METHODS:
-    raise ValueError(f'method={config.method!r} is not one of {METHODS}')
-  if config.max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens={config.max_new_tokens} must be >= 1')
-  if config.batch_size < 1:
-    raise ValueError(f'batch_size={config.batch_size} must be >= 1')
-  if config.method != 'ar' and config.gamma < 2:
-    raise ValueError(f'gamma={config.gamma} must be >= 2 (the anchor plus at least one draft)')
-  if config.cache_len < 2:
-    raise ValueError(f'cache_len={config.cache_len} must be >= 2 (prompt + new tokens per row)')
-  if bool(config.prompt) == bool(config.prompts_file):
-    raise ValueError('give exactly one of prompt (a string) and prompts_file (a JSONL path with '
-                     'a "prompt" field per line)')
-  sampling_settings(config)  # raises on invalid temperature / top_k / top_p
-
-
-def sampling_settings(config) -> sampling_lib.SamplingSettings:
-  return sampling_lib.SamplingSettings(temperature=float(config.temperature),
-                                       top_k=int(config.top_k), top_p=float(config.top_p))
+  if config.prompt and config.prompts_file:
+    raise ValueError('give prompt (a string) or prompts_file (a JSONL path with a "prompt" field '
+                     'per line), not both')
+  options = options_from_config(config)
+  check(options, [n for n in DRAFTERS if config.get(n)])
+  return options
 
 
 def read_prompts(config) -> list[str]:
   if config.prompt:
     return [config.prompt]
+  if not config.prompts_file:
+    return [DEMO_PROMPT]
   prompts = []
   try:
     with open(config.prompts_file) as f:
@@ -194,11 +275,9 @@ def make_runner(target, settings: G.GenerationSettings, method: str, longest: in
     return ARRunner(target, settings, cache_size)
   params = {'target': target.params}
   cfgs = {}
-  for name in drafting.get(method).drafters:
-    if name not in drafters:
-      raise ValueError(f'method={method!r} needs {name}: set --config.{name}=PATH (a train.py '
-                       'workdir or an exported drafter)')
-    cfgs[name], params[name] = drafters[name]
+  for name in drafters_needed(method):
+    if name in drafters:  # (a missing one: check() names it, SpecSettings refuses it)
+      cfgs[name], params[name] = drafters[name]
   spec = SP.SpecSettings(generation=settings, method=method, **spec_fields, **cfgs)
   return SpecRunner(params, target.cfg, spec, prompt_block)
 
@@ -234,64 +313,90 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
   return completions, stats
 
 
-def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
-  validate(config)
-  prompts = read_prompts(config)
-  sharding.maybe_initialize_distributed(config.get('distributed', False))
-  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
-  target = loaders.load_target(config.target, config.dtype)
-  if mesh is not None and mesh.size > 1:  # tensor parallel: weights split over 'model'
-    target = dataclasses.replace(target, params=jax.device_put(
-        target.params, sharding.target_shardings(mesh, target.params)))
-  tok = target.tokenizer
-  if tok is None:
-    raise FileNotFoundError(f'target {config.target!r} has no tokenizer (tokenizer.json)')
-  prompt_ids = [tok.encode_prompt(p, config.chat) for p in prompts]
-  longest = max(len(p) for p in prompt_ids)
-  limit = cache_limit(target, longest, config.max_new_tokens, config.cache_len)
-  settings = G.GenerationSettings(max_new_tokens=config.max_new_tokens, eos_ids=tok.eos_ids,
-                                  pad_id=tok.pad_id, sampling=sampling_settings(config))
-  drafters = {}
-  if config.method != 'ar':
-    for name in drafting.get(config.method).drafters:
-      if config[name]:
-        dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
-        if mesh is not None and mesh.size > 1:
-          dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
-        drafters[name] = (dcfg, dparams)
-  runner = make_runner(target, settings, config.method, longest, limit, drafters,
-                       gamma=config.gamma, ngram_max=config.ngram_max,
-                       n_branches=config.n_branches, steps=config.steps, order=config.order,
-                       tree_budget=config.tree_budget, leniency=config.leniency)
-  completions, st = decode_prompts(runner, tok, prompt_ids, config.batch_size, config.seed)
-  results, new_tokens = [], 0
-  for prompt, ids in zip(prompts, completions):
-    new_tokens += len(ids)
-    text = tok.decode([t for t in ids if t not in tok.eos_ids])
-    results.append({'prompt': prompt, 'completion': text, 'completion_ids': ids})
-    print(f'=== [{len(results) - 1}] {prompt!r}\n{text}', file=out)
+def tokenizer_of(target: loaders.Target):
+  if target.tokenizer is None:
+    raise ValueError(f'target {target.source!r} has no tokenizer (tokenizer.json): a decoder '
+                     'needs one')
+  return target.tokenizer
 
-  if config.output:
-    with open(config.output, 'w') as f:
-      for row in results:
-        f.write(json.dumps(row) + '\n')
+
+def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], options: Options,
+             runners: dict | None = None) -> tuple[list[dict], dict]:
+  """Completes each prompt: the one path of decode.py and Decoder.generate.
+
+  drafters: {'drafter1': (DrafterConfig, params), ...} (those the method needs, at least);
+  runners: a dict keeping compiled programs across calls (a Decoder's), or None.
+  Returns (one {'prompt', 'completion', 'completion_ids'} per prompt, stats)."""
+  check(options, drafters)
+  prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+  if not prompts:
+    raise ValueError('no prompts: give a string or a non-empty list of strings')
+  tok = tokenizer_of(target)
+  prompt_ids = [tok.encode_prompt(p, options.chat) for p in prompts]
+  longest = max(len(p) for p in prompt_ids)
+  limit = cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  settings = generation_settings(options, tok.eos_ids, tok.pad_id)
+  spec = spec_fields(options, drafters)
+  batch = options.batch_size or min(len(prompts), AUTO_BATCH)
+  # A runner's decode loop compiles for one batch shape: the batch is part of the key.
+  key = (options.method, settings, _round_up(longest, PROMPT_BUCKET), limit, batch,
+         tuple(sorted(spec.items())))
+  runners = {} if runners is None else runners
+  if key not in runners:
+    runners[key] = make_runner(target, settings, options.method, longest, limit, drafters,
+                               **spec)
+  runner = runners[key]
+  compiled_before = runner.compile_s
+  ids, st = decode_prompts(runner, tok, prompt_ids, batch, options.seed)
+  completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
+                  'completion_ids': row} for p, row in zip(prompts, ids)]
+  new_tokens = sum(len(row) for row in ids)
   decode_tokens = new_tokens - len(prompts)  # each row's first token comes from the prefill
   decode_s, decode_steps = st['decode_s'], st['decode_steps']
   stats = {
-      'method': config.method, 'target': config.target, 'prompts': len(prompts),
-      'batch_size': config.batch_size, 'new_tokens': new_tokens,
-      'compile_s': round(runner.compile_s, 3), 'prefill_s': round(st['prefill_s'], 4),
-      'decode_s': round(decode_s, 4),
+      'method': options.method, 'prompts': len(prompts), 'batch_size': batch,
+      'new_tokens': new_tokens, 'compile_s': round(runner.compile_s - compiled_before, 3),
+      'prefill_s': round(st['prefill_s'], 4), 'decode_s': round(decode_s, 4),
       'decode_tokens_per_s': round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
       'decode_steps': decode_steps,
       'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
   }
-  if config.method != 'ar':
+  if options.method != 'ar':
     # tau: tokens committed per verification cycle, bonus included (AR would be 1).
     cycles = st['cycles']
-    stats.update(gamma=config.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
+    stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
                  tau=round(decode_tokens / cycles, 3) if cycles else None,
-                 accepted_histogram=[int(h) for h in st['hist']],
-                 stage_ms=runner.stage_times(*st['first_batch']))
+                 accepted_histogram=[int(h) for h in st['hist']])
+    if options.stage_times:  # three more programs to compile: only on request
+      stats['stage_ms'] = runner.stage_times(*st['first_batch'])
+  return completions, stats
+
+
+def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
+  """decode.py: checks, loads the target and the method's drafters, generates, reports."""
+  options = validate(config)
+  prompts = read_prompts(config)
+  sharding.maybe_initialize_distributed(config.get('distributed', False))
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
+  split = mesh is not None and mesh.size > 1  # tensor parallel: weights split over 'model'
+  target = loaders.load_target(config.target, config.dtype)
+  if split:
+    target = dataclasses.replace(target, params=jax.device_put(
+        target.params, sharding.target_shardings(mesh, target.params)))
+  tokenizer_of(target)
+  drafters = {}
+  for name in drafters_needed(options.method):
+    dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
+    if split:
+      dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+    drafters[name] = (dcfg, dparams)
+  completions, stats = generate(target, drafters, prompts, options)
+  for i, row in enumerate(completions):
+    print(f'=== [{i}] {row["prompt"]!r}\n{row["completion"]}', file=out)
+  if config.output:
+    with open(config.output, 'w') as f:
+      for row in completions:
+        f.write(json.dumps(row) + '\n')
+  stats = {'method': stats['method'], 'target': config.target, **stats}
   print(json.dumps(stats), file=out)
   return stats

@@ -50,10 +50,14 @@ def test_decoder_generates_losslessly_and_round_trips(tiny_folder, tiny_drafters
 def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
   dec = d2sd_jax.load(tiny_folder, drafter1=tiny_drafters['drafter1'])
   assert dec.method == 'dflash'
-  with pytest.raises(ValueError, match=r"method='d2sd' needs \['drafter2'\]"):
+  with pytest.raises(ValueError, match=r"method='d2sd' needs drafter2 .*drafter2=PATH"):
     dec.generate('abc', 4, method='d2sd')
-  with pytest.raises(ValueError, match='not one of'):
+  with pytest.raises(ValueError, match=r"method='medusa' is not one of \('ar', 'pld'"):
     dec.generate('abc', 4, method='medusa')
+  with pytest.raises(ValueError, match=r'gama \(did you mean gamma\?\)'):
+    dec.generate('abc', 4, gama=4)
+  with pytest.raises(ValueError, match='steps=0 must be >= 1'):  # SpecSettings' own check
+    dec.generate('abc', 4, steps=0)
   with pytest.raises(ValueError, match='empty prompt'):
     dec.generate([''], 4)
   with pytest.raises(ValueError, match='no prompts'):
@@ -74,3 +78,4 @@ def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
   os.remove(os.path.join(saved, 'target', api.TARGET_FILE))
   with pytest.raises(ValueError, match='missing or unreadable'):
     d2sd_jax.load(saved)
+

@@ -1,4 +1,5 @@
 """decode.py's contract: config fields, printed completions, the final JSON stats line, errors."""
+import dataclasses
 import io
 import json
 import os
@@ -7,8 +8,11 @@ import sys
 
 import pytest
 
+from d2sd_jax import config_check
 from d2sd_jax import decoding
+from d2sd_jax import drafting
 from d2sd_jax import loaders
+from d2sd_jax import speculative
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -38,7 +42,8 @@ def test_prompts_file_batches_and_output(tiny_folder, tmp_path):
   results = {}
   for batch_size in (1, 3):
     out_file = tmp_path / f'out{batch_size}.jsonl'
-    stats, text = run(config_for(tiny_folder, prompt='', prompts_file=str(prompts_file),
+    # prompts_file given alone wins over the config's (empty) default prompt
+    stats, text = run(config_for(tiny_folder, prompts_file=str(prompts_file),
                                  batch_size=batch_size, output=str(out_file), chat=False))
     rows = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert [r['prompt'] for r in rows] == prompts
@@ -51,15 +56,17 @@ def test_prompts_file_batches_and_output(tiny_folder, tmp_path):
       assert stats[key] > 0
     results[batch_size] = [r['completion_ids'] for r in rows]
   assert results[1] == results[3]  # batching (with a padded last batch) changes nothing
-  # Prompt-lookup speculative decoding: same tokens as AR, plus its own stats.
-  stats, _ = run(config_for(tiny_folder, prompt='', prompts_file=str(prompts_file), batch_size=3,
-                            output=str(tmp_path / 'pld.jsonl'), chat=False, method='pld', gamma=4))
+  # Prompt-lookup speculative decoding: same tokens as AR, plus its own stats (and, on request,
+  # the stage times).
+  stats, _ = run(config_for(tiny_folder, prompts_file=str(prompts_file), batch_size=3,
+                            output=str(tmp_path / 'pld.jsonl'), chat=False, method='pld',
+                            spec={'gamma': 4}, stage_times=True))
   rows = [json.loads(line) for line in (tmp_path / 'pld.jsonl').read_text().splitlines()]
   assert [r['completion_ids'] for r in rows] == results[1]
   assert stats['method'] == 'pld' and stats['cycles'] > 0
   assert stats['tau'] == pytest.approx((stats['new_tokens'] - 4) / stats['cycles'], abs=1e-3)
   assert sum(stats['accepted_histogram']) == stats['cycles']
-  assert set(stats['stage_ms']) == {'draft', 'verify', 'accept'}
+  assert set(stats['stage_ms']) == {'draft', 'verify', 'accept'}  # asked for
   assert all(t > 0 for t in stats['stage_ms'].values())
 
 
@@ -72,16 +79,17 @@ def test_chat_template_is_applied(tiny_folder):
 
 
 @pytest.mark.parametrize('overrides,error,match', [
-    ({'prompt': ''}, ValueError, 'exactly one of prompt'),
-    ({'prompt': 'x', 'prompts_file': 'p.jsonl'}, ValueError, 'exactly one of prompt'),
-    ({'prompt': '', 'prompts_file': '/nonexistent.jsonl'}, FileNotFoundError, 'not found'),
-    ({'method': 'magic'}, ValueError, 'method'),
-    ({'method': 'pld', 'gamma': 1}, ValueError, 'gamma'),
+    ({'prompt': 'x', 'prompts_file': 'p.jsonl'}, ValueError, 'prompt .* or prompts_file .* both'),
+    ({'prompts_file': '/nonexistent.jsonl'}, FileNotFoundError, 'not found'),
+    ({'method': 'magic'}, ValueError, r"method='magic' is not one of \('ar', 'pld'"),
+    ({'method': 'd2sd', 'drafter1': 'x'}, ValueError, r"method='d2sd' needs drafter2"),
+    ({'method': 'pld', 'spec': {'gamma': 1}}, ValueError, 'gamma'),
+    ({'method': 'pld', 'spec': {'leniency': 2.0}}, ValueError, 'leniency'),
     ({'temperature': -0.5}, ValueError, 'temperature'),
     ({'top_p': 0.0}, ValueError, 'top_p'),
     ({'top_k': -1}, ValueError, 'top_k'),
     ({'max_new_tokens': 0}, ValueError, 'max_new_tokens'),
-    ({'batch_size': 0}, ValueError, 'batch_size'),
+    ({'batch_size': -1}, ValueError, 'batch_size'),
     ({'prompt': 'x' * 40, 'cache_len': 48}, ValueError, 'exceeds the cache length 48'),
     ({'prompt': 'x' * 40, 'max_new_tokens': 100}, ValueError, r'model context 128'),
     ({'target': '/no/such/checkpoint'}, FileNotFoundError, 'not found'),
@@ -113,6 +121,50 @@ def test_decode_cli_rejects_unknown_override(tmp_path):
   assert proc.returncode != 0 and 'temprature' in proc.stderr
 
 
+def test_prompt_and_prompts_file(tmp_path):
+  """An explicit prompts_file wins over the config's default prompt; with neither, a demo
+  prompt; both given explicitly is refused."""
+  prompts_file = tmp_path / 'p.jsonl'
+  prompts_file.write_text('{"prompt": "from the file"}\n')
+  config = smollm2_config.get_config()
+  assert decoding.read_prompts(config) == [decoding.DEMO_PROMPT]
+  config.prompts_file = str(prompts_file)
+  decoding.validate(config)
+  assert decoding.read_prompts(config) == ['from the file']
+  config.prompt = 'typed'
+  with pytest.raises(ValueError, match='not both'):
+    decoding.validate(config)
+
+
+def test_config_is_the_library_defaults():
+  """configs/smollm2.py's `spec` group is exactly SpecSettings' knobs with their defaults, and
+  its other fields equal decoding.Options' defaults (Decoder.generate's): one set of defaults."""
+  config = smollm2_config.get_config()
+  knobs = {f.name: f.default for f in dataclasses.fields(speculative.SpecSettings)
+           if f.name in config_check.SPEC_KNOBS}
+  assert set(knobs) == set(speculative.SpecSettings.__dataclass_fields__) - set(
+      config_check.NOT_KNOBS)
+  assert config.spec.to_dict() == knobs
+  assert set(config_check.DECODE_FIELDS['spec']) == set(knobs)
+  for f in dataclasses.fields(decoding.Options):
+    if f.name not in ('method', 'spec'):
+      assert config[f.name] == f.default, f.name
+  assert decoding.options_from_config(config) == decoding.Options(
+      method=config.method, spec=knobs)
+
+
+def test_methods_are_read_from_the_registry_at_call_time(tiny_folder, monkeypatch):
+  """A method registered after import is accepted by decode.py's checks and runs."""
+  config = config_for(tiny_folder, method='pld_again', prompt='abcabcab', chat=False,
+                      max_new_tokens=6, spec={'gamma': 4})
+  with pytest.raises(ValueError, match="'pld_again' is not one of"):
+    decoding.validate(config)
+  monkeypatch.setitem(drafting.REGISTRY, 'pld_again', drafting.Method(drafting.pld))
+  assert 'pld_again' in decoding.methods()
+  stats, _ = run(config)
+  assert stats['method'] == 'pld_again' and stats['cycles'] > 0
+
+
 def test_prompt_padding_beyond_a_small_cache(tiny_folder, tmp_path):
   """A 65-token prompt pads to 128 columns, more than a 100-slot cache: still exact."""
   ids = {}
@@ -128,11 +180,11 @@ def test_bad_prompts_file_lines(tiny_folder, tmp_path):
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
   with pytest.raises(ValueError, match='bad.jsonl:2'):
-    decoding.run(config_for(tiny_folder, prompt='', prompts_file=str(bad)), out=io.StringIO())
+    decoding.run(config_for(tiny_folder, prompts_file=str(bad)), out=io.StringIO())
   empty = tmp_path / 'empty.jsonl'
   empty.write_text('{"prompt": ""}\n')
   with pytest.raises(ValueError, match='empty prompt'):
-    decoding.run(config_for(tiny_folder, prompt='', prompts_file=str(empty), chat=False),
+    decoding.run(config_for(tiny_folder, prompts_file=str(empty), chat=False),
                  out=io.StringIO())
 
 
@@ -164,7 +216,8 @@ def test_speculative_batches_of_different_prompt_widths(tiny_folder, tmp_path):
   ids = {}
   for method in ('ar', 'pld'):
     out = tmp_path / f'{method}.jsonl'
-    run(config_for(tiny_folder, prompt='', prompts_file=str(prompts), chat=False, method=method,
-                   batch_size=1, output=str(out)))
+    stats, _ = run(config_for(tiny_folder, prompts_file=str(prompts), chat=False, method=method,
+                              batch_size=1, output=str(out)))
+    assert 'stage_ms' not in stats  # only on request (config.stage_times)
     ids[method] = [json.loads(line)['completion_ids'] for line in out.read_text().splitlines()]
   assert ids['pld'] == ids['ar'] and len(ids['ar']) == 2

@@ -249,8 +249,8 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   def decode(**overrides):
     c = smollm2_config.get_config()
     settings = dict(target=tiny_folder, prompt='abcabcab', chat=False, max_new_tokens=10,
-                    gamma=4, drafter1=d1, drafter2=str(tmp_path / 'd2-export'), n_branches=2,
-                    output=str(tmp_path / 'out.jsonl'))
+                    spec={'gamma': 4, 'n_branches': 2}, drafter1=d1,
+                    drafter2=str(tmp_path / 'd2-export'), output=str(tmp_path / 'out.jsonl'))
     c.update({**settings, **overrides})
     stats = decoding.run(c, out=io.StringIO())
     return stats, json.loads((tmp_path / 'out.jsonl').read_text())['completion_ids']
