@@ -1,7 +1,7 @@
 """Generate text with a target LM: python decode.py --config configs/smollm2.py [--config.x=y]."""
-from absl import app
 from ml_collections import config_flags
 
+from d2sd_jax import cli
 from d2sd_jax import decoding
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'decode config file', lock_config=True)
@@ -13,4 +13,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors: one line on stderr, exit status 2

@@ -1,8 +1,8 @@
 """Train a drafter: python train.py --config configs/drafter1.py [--config.x=y]."""
-from absl import app
 from absl import logging
 from ml_collections import config_flags
 
+from d2sd_jax import cli
 from d2sd_jax import training
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'training config file', lock_config=True)
@@ -15,4 +15,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)  # user errors: one line on stderr, exit status 2

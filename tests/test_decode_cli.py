@@ -113,12 +113,21 @@ def test_unknown_decode_fields_are_named(tiny_folder):
     decoding.run(c, out=io.StringIO())
 
 
-def test_decode_cli_rejects_unknown_override(tmp_path):
-  """decode.py --config.<typo>=... stops before loading anything."""
+@pytest.mark.parametrize('flags,message', [
+    (['--config.temprature=0.5'], 'Did you mean "temperature"'),  # refused by the flag parser
+    (['--config.temperature=-1'], 'temperature=-1.0 must be >= 0'),  # ValueError
+    (['--config.prompts_file=/no/such.jsonl'], "prompts_file '/no/such.jsonl' not found"),
+])
+def test_decode_cli_user_errors_are_one_line(flags, message):
+  """A user error is one line `error: ...` on stderr and exit status 2, no traceback; each is
+  refused before the target loads."""
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'decode.py'), '--config',
-                         os.path.join(ROOT, 'configs', 'smollm2.py'), '--config.temprature=0.5'],
+                         os.path.join(ROOT, 'configs', 'smollm2.py'), *flags],
                         capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode != 0 and 'temprature' in proc.stderr
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr and proc.stdout == ''
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: ') and message in last, proc.stderr[-3000:]
 
 
 def test_prompt_and_prompts_file(tmp_path):

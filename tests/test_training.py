@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import jax
@@ -55,6 +56,16 @@ def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path):
   resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=6))
   for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
     np.testing.assert_array_equal(x, y)
+
+
+def test_train_py_user_error_is_one_line(tmp_path):
+  """train.py refuses a bad config value in one line on stderr, exit status 2, before loading."""
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config',
+                         os.path.join(ROOT, 'configs', 'drafter1.py'),
+                         '--config.train.batch_size=0', f'--config.workdir={tmp_path}'],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == 'error: train.batch_size=0 must be >= 1'
 
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
