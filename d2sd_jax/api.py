@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -78,9 +79,25 @@ class Decoder:
 
   def save(self, directory: str) -> str:
     """Target (parameters, architecture, tokenizer) and drafters as Orbax checkpoints in one
-    folder that `d2sd_jax.load(directory)` restores."""
+    folder that `d2sd_jax.load(directory)` restores. Saving again replaces the earlier save
+    atomically: the new one is written whole into a sibling folder, then swapped in, so a crash
+    at any point leaves a loadable save (a notebook can be rerun top to bottom)."""
     directory = os.path.abspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    fresh, old = save_siblings(directory)
+    if os.path.isdir(directory) and not set(os.listdir(directory)) <= set(SAVE_PARTS):
+      raise ValueError(f'{directory} holds files that are not a saved decoder; save into a new '
+                       'or empty folder (a saved decoder there is replaced)')
+    shutil.rmtree(fresh, ignore_errors=True)  # what a crashed save left
+    self._write(fresh)
+    if os.path.isdir(directory):
+      shutil.rmtree(old, ignore_errors=True)  # a crash before the last step of an earlier save
+      os.rename(directory, old)
+    os.rename(fresh, directory)  # (a crash just before this: load() reads `old`)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+  def _write(self, directory: str) -> None:
+    os.makedirs(directory)
     save_target(self.target, os.path.join(directory, 'target'))
     for name, (dcfg, params) in self.drafters.items():
       meta = ckpt.checkpoint_metadata(name, 'target', self.target, dcfg)
@@ -89,9 +106,30 @@ class Decoder:
       mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                            meta=ocp.args.JsonSave(meta)), force=True)
       mngr.wait_until_finished()
+      mngr.close()
     with open(os.path.join(directory, DECODER_FILE), 'w') as f:
       json.dump({'method': self.method, 'drafters': sorted(self.drafters)}, f)
-    return directory
+
+
+SAVE_PARTS = ('target', *DRAFTERS, DECODER_FILE)  # all a saved decoder folder holds
+
+
+def save_siblings(directory: str) -> tuple[str, str]:
+  """Where Decoder.save writes a new save before swapping it in, and where the earlier save
+  waits during the swap."""
+  directory = os.path.abspath(directory)
+  return directory + '.saving', directory + '.replaced'
+
+
+def saved_folder(path: str) -> str | None:
+  """The saved decoder at `path`, or None if `path` is not one. After a save that crashed
+  between its two renames `path` is absent and the earlier save waits beside it: that one."""
+  if os.path.isfile(os.path.join(path, DECODER_FILE)):
+    return path
+  old = save_siblings(path)[1]
+  if not os.path.exists(path) and os.path.isfile(os.path.join(old, DECODER_FILE)):
+    return old
+  return None
 
 
 def save_target(target: loaders.Target, directory: str) -> None:
@@ -99,6 +137,7 @@ def save_target(target: loaders.Target, directory: str) -> None:
   mngr = ckpt.manager(directory, keep=1)
   mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(target.params)), force=True)
   mngr.wait_until_finished()
+  mngr.close()
   tok = target.tokenizer
   info = {'config': dataclasses.asdict(target.cfg), 'source': target.source,
           'fingerprint': ckpt.target_fingerprint(target),
@@ -155,11 +194,10 @@ def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | N
     from d2sd_jax import sharding  # pylint: disable=import-outside-toplevel
     shard_target = lambda tree: sharding.target_shardings(mesh, tree)
     shard_drafter = lambda tree: sharding.drafter_shardings(mesh, tree)
-  saved = os.path.isdir(target) and os.path.exists(os.path.join(target, DECODER_FILE))
-  if saved:
-    with open(os.path.join(target, DECODER_FILE)) as f:
+  root = saved_folder(target)
+  if root is not None:
+    with open(os.path.join(root, DECODER_FILE)) as f:
       info = json.load(f)
-    root = target
     tgt = load_saved_target(os.path.join(root, 'target'), shard_target)
     paths = {name: os.path.join(root, name) for name in info['drafters']}
     method = method or info['method']

@@ -1,4 +1,5 @@
 """d2sd_jax.load / Decoder: generation equals decode.py's, save -> load round trip, bad input."""
+import dataclasses
 import os
 import shutil
 
@@ -79,3 +80,43 @@ def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
   with pytest.raises(ValueError, match='missing or unreadable'):
     d2sd_jax.load(saved)
 
+
+def _scaled(target, factor):
+  """The target with every weight multiplied by `factor`: another model of the same shapes."""
+  return dataclasses.replace(target, params=jax.tree.map(lambda x: x * factor, target.params))
+
+
+def test_saving_again_replaces_the_save_atomically(tiny_folder, tmp_path, monkeypatch):
+  """A second save into the same folder replaces the first (a notebook rerun); a save that dies
+  before its swap, or between the swap's two renames, leaves a loadable save."""
+  target = d2sd_jax.load(tiny_folder).target
+  path = str(tmp_path / 'decoder')
+  api.Decoder(target).save(path)
+  api.Decoder(_scaled(target, 2.0)).save(path)
+  assert os.listdir(tmp_path) == ['decoder']  # no temporary or backup folder left
+  embed = np.asarray(target.params['embed'])
+  np.testing.assert_array_equal(d2sd_jax.load(path).target.params['embed'], 2.0 * embed)
+
+  def dies(*args):  # the process is killed while the new save is being written
+    real_save_target(*args)
+    raise RuntimeError('killed mid-save')
+
+  real_save_target = api.save_target
+  monkeypatch.setattr(api, 'save_target', dies)
+  with pytest.raises(RuntimeError, match='killed mid-save'):
+    api.Decoder(_scaled(target, 3.0)).save(path)
+  monkeypatch.undo()
+  np.testing.assert_array_equal(d2sd_jax.load(path).target.params['embed'], 2.0 * embed)
+  fresh, old = api.save_siblings(path)
+  assert os.path.isdir(fresh)  # the half-written save, never loaded
+  # Killed between the swap's renames: the earlier save waits beside the folder; load reads it,
+  # and the next save completes the replacement.
+  os.rename(path, old)
+  np.testing.assert_array_equal(d2sd_jax.load(path).target.params['embed'], 2.0 * embed)
+  api.Decoder(_scaled(target, 4.0)).save(path)
+  assert os.listdir(tmp_path) == ['decoder']
+  np.testing.assert_array_equal(d2sd_jax.load(path).target.params['embed'], 4.0 * embed)
+  (tmp_path / 'notes').mkdir()
+  (tmp_path / 'notes' / 'todo.txt').write_text('mine')
+  with pytest.raises(ValueError, match='not a saved decoder'):  # never moves other files away
+    api.Decoder(target).save(str(tmp_path / 'notes'))
