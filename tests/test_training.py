@@ -50,10 +50,22 @@ def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
   assert out['tokens_per_s'] > 0
 
 
-def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path):
+def test_interrupted_run_resumes_exactly(tiny_folder, distill_dir, tmp_path, capsys):
+  """Resuming continues from the checkpoint: only the remaining steps run and are logged, with
+  the losses the uninterrupted run had at those steps, and the parameters end bit-identical.
+  (Equal final parameters alone cannot tell a resume from a rerun of every step from scratch.)"""
   whole = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'a'), steps=6))
   training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=3))
-  resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=6))
+  capsys.readouterr()
+  ran = []
+  resumed = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / 'b'), steps=6),
+                         on_step=ran.append)
+  assert ran == [4, 5, 6]  # steps executed after the resume
+  assert 'resumed from step 3' in capsys.readouterr().out
+  logged = lambda run: [l for l in map(json.loads, open(tmp_path / run / 'metrics.jsonl'))
+                        if 'loss' in l]
+  assert [l['step'] for l in logged('b')] == [1, 2, 3, 4, 5, 6]  # 1-3 before, 4-6 resumed
+  assert [l['loss'] for l in logged('b')] == [l['loss'] for l in logged('a')]
   for x, y in zip(jax.tree.leaves(whole['params']), jax.tree.leaves(resumed['params'])):
     np.testing.assert_array_equal(x, y)
 
