@@ -126,14 +126,15 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   λ = 0 is exact: every emitted token follows the target's law given the tokens before it.
   λ > 0 trades fidelity for acceptance; λ is applied again at every sibling tried, so the drift
   of a token grows with m, the number of children its node has in the tree:
-    one child with law q:           the token's law is (1-λ) p + λ q, TV to p = λ·TV(p, q);
-    m point-mass children x_1..x_m: TV to p = (1 - (1-λ)^m) · (1 - p({x_1..x_m})) exactly;
-    m children with any laws:       TV to p <= 1 - (1-λ)^m  (<= m·λ).
-  (For m point masses, each child's acceptance λ + (1-λ) r(x_i) telescopes: all m are rejected
-  with probability (1-λ)^m p(outside), and tokens outside the children keep only that share of
-  their mass. For general laws, each sibling emits exactly its own lenient target t_i against
-  the residual, so the error recurses as D_i <= λ + (1-λ) D_{i+1}.) A chain (m = 1 at every
-  node) keeps the single-draft bound λ·TV(p, q); tests/test_acceptance.py enumerates both.
+    one child with law q:       the token's law is (1-λ) p + λ q, TV to p = λ·TV(p, q);
+    m children with any laws:   TV to p <= 1 - (1-λ)^m  (<= m·λ), and no better in general:
+    m point-mass children x_i:  every token outside them keeps exactly (1-λ)^m of its mass
+                                (all m are rejected with probability (1-λ)^m p(outside)), so
+                                TV >= (1 - (1-λ)^m)·(1 - p({x_1..x_m})); p = [.01, .01, .98],
+                                λ = .5, children 0 and 1: TV = 0.735 (single-draft claim: 0.495).
+  (Each sibling emits exactly its own lenient target t_i = (1-λ) r + λ q_i against the
+  residual, so the error recurses as D_i <= λ·TV(r, q_i) + (1-λ)·TV(r, q_i)·D_{i+1}.) A chain
+  (m = 1 at every node) keeps the single-draft bound; tests/test_acceptance.py enumerates them.
 
   Returns the same tuple as `accept_point_mass`.
   """

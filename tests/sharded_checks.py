@@ -15,7 +15,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import TINY  # pylint: disable=wrong-import-position
+from conftest import TINY, tiny_params  # pylint: disable=wrong-import-position
 import spec_helpers  # pylint: disable=wrong-import-position
 
 from d2sd_jax import generate as G  # pylint: disable=wrong-import-position
@@ -27,7 +27,7 @@ from d2sd_jax import speculative as SP  # pylint: disable=wrong-import-position
 def check_rules():
   """TINY: vocab 64, 2 KV heads of 4 query heads x 8 dims, d_ff 48, width 32."""
   assert len(jax.devices()) == 8
-  params = M.init_params(TINY, jax.random.PRNGKey(0))
+  params = tiny_params()
   for (data, model), wqkv in (((2, 4), P()), ((4, 2), P('model'))):
     mesh = sharding.make_mesh(data, model)
     got = sharding.describe(params, sharding.target_shardings(mesh, params))
@@ -90,8 +90,8 @@ def check_train(tiny_folder, distill_dir, workdir):
 def check_decode():
   """d2sd generation with target and drafters split over a 2x4 mesh = unsharded, token for
   token; the whole generation is still one while_loop program."""
-  params = M.init_params(TINY, jax.random.PRNGKey(0))
-  bundle = spec_helpers.bundle_for((TINY, params))
+  params = tiny_params()
+  bundle = spec_helpers.trained_bundle((TINY, params))  # drafts are accepted, on branches too
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
                          method='d2sd', gamma=5, n_branches=2, drafter1=spec_helpers.DCFG,
                          drafter2=spec_helpers.DCFG2)
@@ -104,6 +104,7 @@ def check_decode():
   ar2, split, state = spec_helpers.run_both(TINY, sharded, spec_helpers.PROMPTS, spec)
   assert split == plain == ar, (split, plain, ar)
   assert ar2 == ar
+  assert int(state.accepted_hist_BxK[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
 
 
 if __name__ == '__main__':

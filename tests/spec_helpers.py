@@ -1,13 +1,28 @@
-"""Shared pieces of the speculative-decoding tests."""
+"""Shared pieces of the speculative-decoding tests: the tiny drafters (random and trained), an
+oracle tree drafter, and `run_cycles`, which steps the speculative loop one cycle at a time and
+checks every cache against a fresh prefill after each cycle.
+
+The check_* functions are whole checks (they raise AssertionError when the code is wrong): the
+tests call them, and tests/test_mutations.py calls them again on deliberately broken copies of
+the code to show that each one catches the bug it is there for.
+"""
 import functools
+import hashlib
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 from d2sd_jax import drafter as D
+from d2sd_jax import drafting
 from d2sd_jax import generate as G
+from d2sd_jax import losses
 from d2sd_jax import model as M
 from d2sd_jax import speculative as SP
+from d2sd_jax import tree as tree_lib
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60, 5, 9, 2], [12], [40, 41, 42, 43, 40, 41]]
 DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -24,10 +39,103 @@ def full_last_logits(cfg, params, tokens_1xT):
   return M.logits(params, cfg, h)[0, -1]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def fresh_prefill(cfg, params, tokens_1xL, feature_layers):
+  """Cache and features of a plain causal prefill (compare only the first n slots)."""
+  L = tokens_1xL.shape[1]
+  _, cache, feats = M.forward(params, cfg, tokens_1xL, jnp.arange(L)[None],
+                              M.init_cache(cfg, 1, L), jnp.zeros((1,), jnp.int32),
+                              feature_layers=feature_layers)
+  return cache, feats
+
+
 def bundle_for(tiny):
+  """Random (untrained) drafters: their drafts are almost never accepted."""
   cfg, params = tiny
   return {'target': params, 'drafter1': D.init_params(DCFG, cfg, jax.random.PRNGKey(5)),
           'drafter2': D.init_params(DCFG2, cfg, jax.random.PRNGKey(6))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Trained tiny drafters: fitted to the tiny target's own greedy outputs (PROMPTS among them), so
+# their drafts are accepted often, on the chain and on drafter 2's branches.
+
+
+def _training_data(cfg, params):
+  rng = np.random.default_rng(0)
+  prompts = PROMPTS + [rng.integers(1, 64, rng.integers(1, 10)).tolist() for _ in range(29)]
+  n = 40
+  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0)
+  block, lens = G.pad_prompts(prompts, 0, bucket=8)
+  ar = jitted()[0](params, cfg, gen, block, lens, G.row_keys(0, range(len(prompts))),
+                   block.shape[1] + n)
+  L = block.shape[1] + n
+  seq = np.zeros((len(prompts), L), np.int32)
+  label = np.zeros((len(prompts), L), bool)
+  for b, p in enumerate(prompts):
+    seq[b, :len(p) + n] = p + np.asarray(ar.out_BxN[b]).tolist()
+    label[b, len(p):len(p) + n] = True
+  return jnp.asarray(seq), jnp.asarray(label)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _fit(dparams, dcfg, tcfg, vp, steps, tparams, seq_BxL, label_BxL, key):
+  B, L = seq_BxL.shape
+  _, _, feats = M.forward(tparams, tcfg, seq_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)),
+                          M.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
+                          feature_layers=dcfg.feature_layers)
+  feats = D.features_of(feats)
+  opt = optax.adam(3e-3)
+  A, Gm = 16, dcfg.gamma
+
+  def loss_fn(p, k):
+    ka, kl = jax.random.split(k)
+    anchors = jax.random.randint(ka, (B, A), 1, L - 1)
+    prefix = (jax.random.choice(kl, Gm - 1, (B, A), p=losses.vp_prefix_prior(Gm, 0.7)) if vp
+              else jnp.zeros((B, A), jnp.int32))
+    weights = losses.vp_weights(prefix.reshape(-1), Gm, 3.0).reshape(B, A, Gm)
+    return losses.drafter_loss(p, dcfg, tparams, tcfg, seq_BxL, feats, label_BxL, anchors,
+                               prefix, weights)[0]
+
+  def step(carry, k):
+    p, s = carry
+    updates, s = opt.update(jax.grad(loss_fn)(p, k), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  (dparams, _), _ = jax.lax.scan(step, (dparams, opt.init(dparams)), jax.random.split(key, steps))
+  return dparams
+
+
+def trained_bundle(tiny, steps: int = 400):
+  """{'target', 'drafter1', 'drafter2'}: drafter 1 (plain) and drafter 2 (VP objective) trained
+  on the tiny target's greedy outputs. Cached on disk by the training code and the target, so
+  the test processes of one machine train them once (about 15 s)."""
+  cfg, params = tiny
+  with open(__file__, 'rb') as f:  # this file holds the data and the training recipe
+    fp = hashlib.sha256(f.read() + repr((DCFG, DCFG2, steps, cfg, jax.__version__)).encode())
+  for x in jax.tree.leaves(params):
+    fp.update(np.asarray(x).tobytes())
+  path = os.path.join(tempfile.gettempdir(), f'd2sd_tiny_drafters_{fp.hexdigest()[:16]}.npz')
+  init = {'drafter1': D.init_params(DCFG, cfg, jax.random.PRNGKey(5)),
+          'drafter2': D.init_params(DCFG2, cfg, jax.random.PRNGKey(6))}
+  if os.path.exists(path):
+    with np.load(path) as f:
+      flat = [jnp.asarray(f[f'a{i}']) for i in range(len(f.files))]
+    trained = jax.tree.unflatten(jax.tree.structure(init), flat)
+  else:
+    seq, label = _training_data(cfg, params)
+    trained = {'drafter1': _fit(init['drafter1'], DCFG, cfg, False, steps, params, seq, label,
+                                jax.random.PRNGKey(1)),
+               'drafter2': _fit(init['drafter2'], DCFG2, cfg, True, steps, params, seq, label,
+                                jax.random.PRNGKey(2))}
+    tmp = path + f'.{os.getpid()}.tmp.npz'
+    np.savez(tmp, **{f'a{i}': np.asarray(x) for i, x in enumerate(jax.tree.leaves(trained))})
+    os.replace(tmp, path)
+  return {'target': params, **trained}
+
+
+# ----------------------------------------------------------------------------------------------
+# Running and checking the loop
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,18 +146,287 @@ def jitted():
           jax.jit(SP.spec_step, static_argnums=(1, 2)))
 
 
+def ar_outputs(cfg, target_params, prompts, gen: G.GenerationSettings, seed=0):
+  block, lens = G.pad_prompts(prompts, gen.pad_id, bucket=8)
+  ar = jitted()[0](target_params, cfg, gen, block, lens, G.row_keys(seed, range(len(prompts))),
+                   block.shape[1] + gen.max_new_tokens)
+  return [ar.out_BxN[b, :ar.num_out_B[b]].tolist() for b in range(len(prompts))]
+
+
 def run_both(cfg, params, prompts, spec, seed=0):
   """AR tokens and speculative tokens for the same prompts and row keys."""
-  gen_ar, init, loop, _ = jitted()
+  _, init, loop, _ = jitted()
   block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
   keys = G.row_keys(seed, range(len(prompts)))
   target_params = params['target'] if 'target' in params else params
-  ar = gen_ar(target_params, cfg, spec.generation, block, lens, keys,
-              block.shape[1] + spec.generation.max_new_tokens)
+  ar_out = ar_outputs(cfg, target_params, prompts, spec.generation, seed)
   bundle = params if isinstance(params, dict) and 'target' in params else {'target': params}
   state = init(bundle, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
   state = loop(bundle, cfg, spec, state)
   n = spec.generation.max_new_tokens
-  ar_out = [ar.out_BxN[b, :ar.num_out_B[b]].tolist() for b in range(len(prompts))]
   sp_out = [SP.generated(state, n)[b, :state.num_out_B[b]].tolist() for b in range(len(prompts))]
   return ar_out, sp_out, state
+
+
+def _stage_programs():
+  """Fresh jitted stages (not cached across calls: a mutated module must be traced anew)."""
+  return (jax.jit(SP.init_state, static_argnums=(1, 2, 6)),
+          jax.jit(SP.draft, static_argnums=(1, 2)), jax.jit(SP.verify, static_argnums=(1, 2)),
+          jax.jit(SP.accept, static_argnums=(0,)), jax.jit(SP.commit, static_argnums=(1,)))
+
+
+def assert_caches_fresh(cfg, bundle, spec, state):
+  """The target cache and every drafter's context equal a fresh prefill of the committed
+  tokens (first cache_len slots), and the sequence buffer holds nothing past them."""
+  layers = tuple(sorted({0, cfg.n_layers} | set(spec.feature_layers)))
+  for b in range(state.seq_BxL.shape[0]):
+    n = int(state.cache_len_B[b])
+    assert n == int(state.seq_len_B[b]) - 1
+    assert all(t == spec.generation.pad_id for t in state.seq_BxL[b, n + 1:].tolist())
+    # The whole buffer (one shape, one program): a causal prefill's first n slots only see
+    # the first n tokens.
+    ref_cache, feats = fresh_prefill(cfg, bundle['target'], state.seq_BxL[b:b + 1], layers)
+    for layer, ref_layer in zip(state.cache, ref_cache):
+      for kv in ('k', 'v'):
+        np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-4, atol=1e-4,
+                                   err_msg=f'target cache, row {b}')
+    for name in spec.drafters:
+      dcfg = getattr(spec, name)
+      idx = [layers.index(i) for i in dcfg.feature_layers]
+      ref = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :n, idx]), jnp.arange(n)[None])
+      for layer, ref_layer in zip(state.draft_caches[name], ref):
+        for kv in ('k', 'v'):
+          np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0], rtol=1e-4,
+                                     atol=1e-4, err_msg=f'{name} context, row {b}')
+
+
+def run_cycles(cfg, bundle, spec, prompts, seed=0, check_caches=True, on_cycle=None):
+  """The speculative loop one cycle at a time (the same stage functions spec_step chains).
+  Checks the caches after every cycle; returns (outputs per row, counters): cycles, accepted
+  drafts, and `branch_accepts`: row-cycles whose accepted path left drafter 1's chain (any
+  node of index >= gamma, the layout of drafting.pack_tree)."""
+  init, draft, verify, accept, commit = _stage_programs()
+  block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
+  state = init(bundle, cfg, spec, block, lens, G.row_keys(seed, range(len(prompts))),
+               SP.cache_size_needed(block.shape[1], spec))
+  counts = {'cycles': 0, 'accepted': 0, 'branch_accepts': 0}
+  while not bool(state.done_B.all()):
+    live = ~np.asarray(state.done_B)
+    tree = draft(bundle, cfg, spec, state)
+    verified = verify(bundle, cfg, spec, state, tree)
+    acc = accept(spec, tree, verified, state.cycle_keys[1])
+    new_state = commit(bundle, spec, state, tree, verified, acc)
+    n_acc = np.asarray(acc.accept_len_B)
+    on_path = np.arange(acc.path_BxC.shape[1])[None] <= n_acc[:, None]
+    left_chain = np.any(on_path & (np.asarray(acc.path_BxC) >= spec.gamma), axis=1)
+    counts['cycles'] += int(live.sum())
+    counts['accepted'] += int((n_acc * live).sum())
+    counts['branch_accepts'] += int((left_chain & live).sum())
+    if on_cycle is not None:
+      on_cycle(state, tree, acc, new_state)
+    state = new_state
+    if check_caches:
+      assert_caches_fresh(cfg, bundle, spec, state)
+  n = spec.generation.max_new_tokens
+  outs = [SP.generated(state, n)[b, :state.num_out_B[b]].tolist() for b in range(len(prompts))]
+  return outs, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# An oracle tree drafter
+
+
+def oracle_tree(reference_BxN, vocab_size: int):
+  """A drafting method that knows each row's AR continuation (reference, long enough to never
+  run out). Its chain is right up to a wrong token at depth w (w cycles through 1..gamma-1 as
+  tokens are generated); branch 0 hangs at chain node w-1 and carries the truth from there,
+  so every accepted path leaves the chain through it; branch 1 hangs at another cut and is
+  wrong. It uses drafters' contexts only so that their updates are checked along branch paths.
+  Needs settings.n_branches = 2."""
+
+  def draft(params, cfg, settings, state):
+    del params, cfg
+    G_ = settings.gamma
+    depth = jnp.arange(G_)[None]
+    idx = state.num_out_B[:, None] + depth - 1  # reference index of depth d's token (d >= 1)
+    truth_BxG = jnp.take_along_axis(reference_BxN, jnp.clip(idx, 0, reference_BxN.shape[1] - 1),
+                                    1).at[:, 0].set(state.anchor_B)
+    w_B = 1 + state.num_out_B % (G_ - 1)
+    chain_BxG = jnp.where(depth == w_B[:, None], (truth_BxG + 1) % vocab_size, truth_BxG)
+    cut_BxK = jnp.stack([w_B - 1, w_B % (G_ - 1)], axis=1)
+    right = jnp.where(depth <= cut_BxK[:, :1], chain_BxG, truth_BxG)
+    wrong = jnp.where(depth <= cut_BxK[:, 1:], chain_BxG, (truth_BxG + 2) % vocab_size)
+    return drafting.pack_tree(state.anchor_B, chain_BxG, jnp.stack([right, wrong], 1), cut_BxK,
+                              settings.tree_size)
+
+  return drafting.Method(draft, drafters=('drafter1', 'drafter2'),
+                         nodes=lambda s: s.gamma + 2 * (s.gamma - 1), branched=True)
+
+
+def oracle_spec(gen, name='oracle_tree'):
+  return SP.SpecSettings(gen, method=name, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
+                         n_branches=2)
+
+
+def check_oracle_tree(tiny, bundle, max_new_tokens=24):
+  """Branch paths accepted every cycle: output = AR, every cache = a fresh prefill."""
+  cfg, params = tiny
+  gen = G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0)
+  long = G.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
+  reference = jnp.asarray(ar_outputs(cfg, params, PROMPTS, long))
+  drafting.register('oracle_tree', oracle_tree(reference, cfg.vocab_size))
+  try:
+    outs, counts = run_cycles(cfg, bundle, oracle_spec(gen), PROMPTS)
+  finally:
+    drafting.REGISTRY.pop('oracle_tree')
+  assert outs == ar_outputs(cfg, params, PROMPTS, gen)
+  assert counts['branch_accepts'] == counts['cycles'] > 0, counts
+  return counts
+
+
+def eos_case(tiny, max_new_tokens=24):
+  """(eos token, index in row 0's AR output) such that the oracle's accepted path of that
+  cycle continues past the EOS (it is neither the bonus token nor the path's last draft)."""
+  cfg, params = tiny
+  G_ = DCFG.gamma
+  ref = ar_outputs(cfg, params, PROMPTS[:1],
+                   G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0))[0]
+  for i in range(1, len(ref)):
+    # The prefill emits token 0; cycle c emits tokens 1 + c·G .. G + c·G (G-1 drafts + bonus).
+    if (i - 1) % G_ <= G_ - 3 and ref[i] not in ref[:i]:
+      return ref[i], i
+  raise AssertionError(f'no usable EOS position in {ref}')
+
+
+def check_eos_inside_accepted_path(tiny, bundle, max_new_tokens=24):
+  cfg, params = tiny
+  eos, index = eos_case(tiny, max_new_tokens)
+  free = G.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(),
+                              pad_id=0)
+  reference = jnp.asarray(ar_outputs(cfg, params, PROMPTS, free))
+  gen = G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(eos,), pad_id=0)
+  ar = ar_outputs(cfg, params, PROMPTS, gen)
+  assert len(ar[0]) == index + 1 and ar[0][-1] == eos
+  seen = []
+
+  def on_cycle(state, tree, acc, new_state):
+    # Row 0's cycle that commits the EOS accepted drafts beyond it.
+    start, n_acc = int(state.num_out_B[0]), int(acc.accept_len_B[0])
+    if not bool(state.done_B[0]) and start <= index < start + n_acc:
+      seen.append(index - start < n_acc - 1)
+
+  drafting.register('oracle_tree', oracle_tree(reference, cfg.vocab_size))
+  try:
+    outs, _ = run_cycles(cfg, bundle, oracle_spec(gen), PROMPTS, on_cycle=on_cycle)
+  finally:
+    drafting.REGISTRY.pop('oracle_tree')
+  assert seen == [True], seen  # the situation this check is about really happened
+  assert outs == ar
+
+
+def branch_blocks_reference(tiny, bundle, spec, state):
+  """What D2SD's tree must hold, computed independently of drafting.py: drafter 1's block
+  and confidences (one fresh forward), the K cuts by enumerating r(i) = c_1..c_i (1 - c_{i+1})
+  in numpy, and each branch re-drafted by drafter 2 alone from [anchor, chain[1..i], MASK...]
+  with the chain's token at i+1 excluded. Returns per row a list of (cut, branch tokens)."""
+  cfg, params = tiny
+  G_ = spec.gamma
+  out = []
+  for b in range(state.seq_BxL.shape[0]):
+    n = int(state.cache_len_B[b])
+    anchor = int(state.seq_BxL[b, n])
+    _, feats = fresh_prefill(cfg, params, state.seq_BxL[b:b + 1], (0, 1, 2))
+    feats = feats[:, :n]
+
+    def logits_of(name, block, is_mask):
+      dcfg = getattr(spec, name)
+      ctx = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
+                         jnp.arange(n)[None])
+      return np.asarray(D.forward(bundle[name], dcfg, params, cfg, jnp.asarray([block]),
+                                  jnp.asarray([is_mask]), n + jnp.arange(G_)[None], ctx,
+                                  jnp.ones((1, n), bool), jnp.ones((1, G_, G_), bool))[0],
+                        np.float64)
+
+    block = [anchor] + [0] * (G_ - 1)
+    lg = logits_of('drafter1', block, [False] + [True] * (G_ - 1)) / DCFG.confidence_temperature
+    chain = [anchor] + np.argmax(lg[1:], -1).tolist()
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    conf = np.clip((p / p.sum(-1, keepdims=True)).max(-1)[1:], 1e-6, 1 - 1e-6)
+    r = [np.prod(conf[:i]) * (1 - conf[i]) for i in range(G_ - 1)]
+    cuts = sorted(range(G_ - 1), key=lambda i: -r[i])[:spec.n_branches]
+    row = []
+    for i in cuts:
+      lg2 = logits_of('drafter2', chain[:i + 1] + [0] * (G_ - 1 - i),
+                      [False] * (i + 1) + [True] * (G_ - 1 - i))
+      lg2[i + 1, chain[i + 1]] = -np.inf
+      row.append((i, chain[:i + 1] + np.argmax(lg2[i + 1:], -1).tolist()))
+    out.append(row)
+  return out
+
+
+def tree_branches(tree, b, gamma):
+  """Per branch of row b's packed tree: (cut, [anchor .. branch tokens]) by walking parents."""
+  tokens, parents = np.asarray(tree.tokens_BxT[b]), np.asarray(tree.parents_BxT[b])
+  valid = np.asarray(tree.valid_BxT[b])
+  branches, node = [], gamma
+  while node < len(tokens) and valid[node]:
+    cut = int(parents[node])
+    path = []
+    while node < len(tokens) and (not path or parents[node] == node - 1) and valid[node]:
+      path.append(int(tokens[node]))
+      node += 1
+    prefix = [int(tokens[0])] + [int(t) for t in tokens[1:cut + 1]]
+    branches.append((cut, prefix + path))
+  return branches
+
+
+def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3):
+  """After a few cycles on PROMPTS, D2SD's tree holds drafter 1's chain, branches at the top-K
+  r(i) cuts, and exactly what drafter 2 drafts alone from each branch prefix."""
+  cfg, _ = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=40, eos_ids=(), pad_id=0),
+                         method='d2sd', gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
+                         n_branches=3)
+  init, draft, _, _, _ = _stage_programs()
+  step = jax.jit(SP.spec_step, static_argnums=(1, 2))
+  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(bundle, cfg, spec, block, lens, G.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  for c in range(cycles):
+    tree = draft(bundle, cfg, spec, state)
+    want = branch_blocks_reference(tiny, bundle, spec, state)
+    for b in range(3):
+      got = tree_branches(tree, b, spec.gamma)
+      assert [c_ for c_, _ in got] == [c_ for c_, _ in want[b]], (c, b, got, want[b])
+      assert got == want[b], (c, b, got, want[b])
+    state = step(bundle, cfg, spec, state)
+
+
+def check_branch_points():
+  """drafting.branch_points = the K largest r(i) = c_1..c_i (1 - c_{i+1}), enumerated in numpy
+  on random confidences (most likely first)."""
+  rng = np.random.default_rng(0)
+  conf = rng.uniform(0.05, 0.99, (64, 8))
+  got = np.asarray(drafting.branch_points(jnp.asarray(conf, jnp.float32), 3))
+  for b in range(64):
+    c = conf[b, 1:]
+    r = [np.prod(c[:i]) * (1 - c[i]) for i in range(7)]
+    assert got[b].tolist() == sorted(range(7), key=lambda i: -r[i])[:3], (b, got[b], r)
+
+
+def check_every_verified_node_reachable(tiny, bundle, methods=('dflash_resample', 'dflash_dflash',
+                                                               'd2sd')):
+  """No verified node is a repeat of an earlier sibling's token (sample-and-match could never
+  enter it): every valid node of every tree drafted along a generation is reachable."""
+  cfg, _ = tiny
+  gen = G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
+  for method in methods:
+    spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
+                           n_branches=3)
+    trees = []
+    run_cycles(cfg, bundle, spec, PROMPTS, check_caches=False,
+               on_cycle=lambda state, tree, acc, new: trees.append((state.done_B, tree)))
+    for done, tree in trees:
+      live = ~np.asarray(done)[:, None]
+      unreachable = np.asarray(tree.valid_BxT & ~tree_lib.reachable(tree)) & live
+      assert not unreachable.any(), (method, np.argwhere(unreachable))

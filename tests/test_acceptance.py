@@ -9,7 +9,9 @@ from d2sd_jax import generate as G
 from d2sd_jax import sampling as S
 from d2sd_jax import speculative as SP
 from d2sd_jax import tree as tree_lib
-from spec_helpers import DCFG, DCFG2, PROMPTS, bundle_for, full_last_logits, jitted, run_both
+import spec_helpers
+from d2sd_jax import drafting
+from spec_helpers import DCFG, DCFG2, PROMPTS, full_last_logits, jitted, run_both
 
 
 # ----------------------------------------------------------------------------------------------
@@ -24,27 +26,29 @@ def toy_joint(rng_seed=0, V=4):
   return p1, p2
 
 
-def test_sample_and_match_two_tokens_is_exact():
-  """Tree: anchor -> {a, b (siblings), a again (a duplicate)}; a -> c. We sample the first two
-  output tokens (accepted path + bonus, then a fresh target draw if only one was emitted) and
-  compare their joint law with p(x1) p(x2 | x1) by a chi-square test."""
+def check_sample_and_match_exact(n=60000):
+  """Tree: anchor -> {a, b, a again (a duplicate sibling)}; a -> c, and the duplicate -> b. We
+  sample the first two output tokens (accepted path + bonus, then a fresh target draw if only
+  one was emitted) and compare their joint law with p(x1) p(x2 | x1) by a chi-square test. A
+  walk that could also enter the duplicate would give x2 two chances after a."""
   V = 4
   p1, p2 = toy_joint()
   a, b, c = 1, 2, 3
-  # Nodes: 0 anchor, 1 = a, 2 = b, 3 = a (duplicate of node 1), 4 = c under node 1.
-  tokens = jnp.asarray([[0, a, b, a, c]])
-  parents = jnp.asarray([[0, 0, 0, 0, 1]])
-  tree = tree_lib.Tree(tokens, parents, jnp.ones((1, 5), bool))
+  # Nodes: 0 anchor, 1 = a, 2 = b, 3 = a (duplicate of node 1), 4 = c under node 1,
+  # 5 = b under node 3.
+  tokens = jnp.asarray([[0, a, b, a, c, b]])
+  parents = jnp.asarray([[0, 0, 0, 0, 1, 3]])
+  tree = tree_lib.Tree(tokens, parents, jnp.ones((1, 6), bool))
   anc, depth = tree_lib.structure(tree)
   # Target logits at each node: at the anchor p1; at a node with token x (depth 1), p2[x].
-  node_probs = np.stack([p1, p2[a], p2[b], p2[a], p1])  # node 4's children are never drafted
+  node_probs = np.stack([p1, p2[a], p2[b], p2[a], p1, p1])  # depth-2 nodes have no children
   logits = jnp.log(jnp.asarray(node_probs, jnp.float32))[None]
   settings = S.SamplingSettings(temperature=1.0)
 
   def two_tokens(key):
     k1, k2 = jax.random.split(key)
-    best, n_acc, bonus, path = tree_lib.accept_point_mass(tree, anc, depth, logits, settings,
-                                                          k1[None])
+    _, n_acc, bonus, path = tree_lib.accept_point_mass(tree, anc, depth, logits, settings,
+                                                       k1[None])
     path_tokens = tokens[0][path[0]]
     x1 = jnp.where(n_acc[0] >= 1, path_tokens[1], bonus[0])
     # If only x1 was emitted, x2 comes from the next cycle: a fresh draw from p2[x1].
@@ -52,12 +56,13 @@ def test_sample_and_match_two_tokens_is_exact():
     x2 = jnp.where(n_acc[0] >= 2, path_tokens[2], jnp.where(n_acc[0] == 1, bonus[0], fresh))
     return x1 * V + x2
 
-  n = 60000
-  draws = jax.vmap(two_tokens)(jax.random.split(jax.random.PRNGKey(0), n))
+  draws = jax.jit(jax.vmap(two_tokens))(jax.random.split(jax.random.PRNGKey(0), n))
   counts = np.bincount(np.asarray(draws), minlength=V * V)
-  expected = (p1[:, None] * p2).reshape(-1) * n
-  chi2 = np.sum((counts - expected)**2 / expected)
-  assert chi2 < 45.0  # 15 degrees of freedom: p ≈ 1e-4
+  assert chi2(counts, (p1[:, None] * p2).reshape(-1)) < 45.0  # 15 dof: p ≈ 1e-4
+
+
+def test_sample_and_match_two_tokens_is_exact():
+  check_sample_and_match_exact()
 
 
 def test_soft_q_for_an_argmax_draft_is_detected():
@@ -120,15 +125,19 @@ def excluding(dist, token):
   return out / out.sum()
 
 
-def test_recursive_rejection_with_sibling_laws_is_exact():
+def check_sibling_laws_exact(n=50000):
   """Sibling 1: the drafter's argmax (a point mass); sibling 2: a draw from the drafter's law with
   sibling 1's token removed (renormalised). The first token follows the target."""
   a = int(np.argmax(PD))
   q2 = excluding(PD, a)
   tokens_fn = lambda k: jnp.asarray([a, jax.random.choice(k, 5, p=jnp.asarray(q2))], jnp.int32)
   q_fn = lambda toks: jnp.asarray(np.stack([np.zeros(5), np.eye(5)[a], q2]), jnp.float32)[None]
-  counts = first_token_law(tokens_fn, q_fn, P1)
+  counts = first_token_law(tokens_fn, q_fn, P1, n=n)
   assert chi2(counts, P1) < 18.5  # 4 degrees of freedom, p ≈ 0.001
+
+
+def test_recursive_rejection_with_sibling_laws_is_exact():
+  check_sibling_laws_exact()
 
 
 def test_unrenormalised_second_law_is_detected():
@@ -169,51 +178,243 @@ def test_leniency_in_the_loop(tiny):
 
 
 # ----------------------------------------------------------------------------------------------
-# End to end at T > 0: the joint law of the first two generated tokens equals AR sampling's.
+# Leniency in trees: the true drift bound, by enumeration.
 
 
-def exact_two_token_law(cfg, params, prompt, settings):
-  """p(x1) p(x2 | x1) under the sampling transforms, enumerated from the model itself."""
+def lenient_law(p, children, lam):
+  """The exact law of the token emitted at a node by accept_recursive: children = [(token,
+  law)] tried in order (law None: a point mass), leniency lam, residual r starting at p."""
+  out, stay, r = np.zeros_like(p), 1.0, p.copy()  # stay: probability no child accepted yet
+  for x, q in children:
+    q = np.eye(len(p))[x] if q is None else q
+    t = (1 - lam) * r + lam * q
+    out += stay * np.minimum(q, t)  # drawn x ~ q, accepted with min(1, t(x)/q(x))
+    rest = np.maximum(t - q, 0.0)
+    stay *= rest.sum()
+    if rest.sum() == 0:
+      return out
+    r = rest / rest.sum()
+  return out + stay * r
+
+
+def tv(a, b):
+  return 0.5 * np.abs(a - b).sum()
+
+
+def test_leniency_drift_in_trees_by_enumeration():
+  """The example from tree.py, then random cases: with m point-mass siblings every other token
+  keeps exactly (1-λ)^m of its mass; any sibling laws stay within TV 1 - (1-λ)^m; one sibling
+  gives exactly (1-λ) p + λ q. The single-draft claim λ·TV(p, q) fails for m > 1."""
+  p = np.array([0.01, 0.01, 0.98])
+  law = lenient_law(p, [(0, None), (1, None)], 0.5)
+  assert abs(tv(law, p) - 0.735) < 1e-9
+  assert tv(law, p) > 0.5 * tv(p, np.eye(3)[0]) + 1e-3  # the single-draft bound is exceeded
+  rng = np.random.default_rng(0)
+  for _ in range(300):
+    V, m, lam = 6, int(rng.integers(1, 4)), float(rng.uniform(0, 1))
+    p = rng.dirichlet(np.ones(V) * 0.5)
+    xs = rng.choice(V, m, replace=False).tolist()
+    law = lenient_law(p, [(x, None) for x in xs], lam)
+    np.testing.assert_allclose(law.sum(), 1.0, atol=1e-9)
+    outside = np.ones(V, bool)
+    outside[xs] = False
+    np.testing.assert_allclose(law[outside], (1 - lam)**m * p[outside], atol=1e-12)
+    assert tv(law, p) >= (1 - (1 - lam)**m) * (1 - p[xs].sum()) - 1e-9
+    assert tv(law, p) <= 1 - (1 - lam)**m + 1e-9
+    # Sampled siblings: q_i drawn laws, renormalised after excluding earlier siblings' tokens.
+    qs, used = [], []
+    for _ in range(m):
+      q = rng.dirichlet(np.ones(V))
+      q[used] = 0
+      q /= q.sum()
+      x = int(rng.choice(V, p=q))
+      qs.append((x, q))
+      used.append(x)
+    law = lenient_law(p, qs, lam)
+    assert tv(law, p) <= 1 - (1 - lam)**m + 1e-9
+    if m == 1:
+      np.testing.assert_allclose(law, (1 - lam) * p + lam * qs[0][1], atol=1e-9)
+
+
+def test_leniency_with_two_siblings_follows_the_enumerated_law():
+  """accept_recursive itself, with two point-mass siblings and λ = 0.5, against lenient_law."""
+  lam = 0.5
+  tokens_fn = lambda k: jnp.asarray([0, 1], jnp.int32)
+  counts = first_token_law(tokens_fn, lambda toks: None, P1, leniency=lam)
+  assert chi2(counts, lenient_law(P1, [(0, None), (1, None)], lam)) < 18.5
+
+
+def test_empty_residual_never_emits_token_zero():
+  """A sibling whose claimed law sits 1 % above p everywhere (a law off by rounding): its
+  rejection probability sum(max(t - q, 0)) is 0, yet min(1, t/q) < 1. The residual must not
+  be drawn from when it is empty (that 'draw' was token 0, which p excludes here)."""
+  p = np.array([0.0, 0.5, 0.3, 0.2, 0.0])
+  logits = jnp.log(jnp.asarray(np.stack([p, p, p]), jnp.float32))[None]
+  tree = tree_lib.Tree(jnp.asarray([[0, 2, 2]]), jnp.asarray([[0, 0, 1]]), jnp.ones((1, 3), bool))
+  anc, depth = tree_lib.structure(tree)
+  q = jnp.asarray(np.stack([np.zeros(5), p * 1.01, p * 1.01]), jnp.float32)[None]
+  settings = S.SamplingSettings(temperature=1.0)
+  one = lambda k: tree_lib.accept_recursive(tree, anc, depth, logits, settings, k[None], 0.0, q)
+  _, n_acc, bonus, _ = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(0), 4000))
+  first = np.where(np.asarray(n_acc)[:, 0] >= 1, 2, np.asarray(bonus)[:, 0])
+  assert (first != 0).all()
+  assert (np.asarray(n_acc) >= 1).all()  # rejection is impossible here
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end at T > 0: the joint law of a window of generated tokens equals the target's.
+
+
+def window_law(cfg, params, prompt, settings, n, draft_tokens=None, lam=0.0):
+  """The exact law of the first n generated tokens, enumerated from the model itself.
+
+  draft_tokens None: AR sampling, p(x1) p(x2 | x1) ... With draft_tokens (a fixed chain the
+  drafter proposes every cycle) and leniency lam: the law speculative decoding gives, cycle by
+  cycle: x1 from the prefill, then at draft depth j the draft is accepted with
+  lam + (1-lam) p(d_j), else a token of p without d_j ends the cycle; after the whole chain the
+  bonus is drawn from p."""
+  cache = {}
+
   def probs(seq):
-    return np.asarray(S.probs(full_last_logits(cfg, params, jnp.asarray([seq])), settings),
-                      np.float64)
+    key = tuple(seq)
+    if key not in cache:
+      cache[key] = np.asarray(S.probs(full_last_logits(cfg, params, jnp.asarray([seq])),
+                                      settings), np.float64)
+    return cache[key]
+
   law = {}
-  p1 = probs(prompt)
-  for x1 in np.nonzero(p1)[0]:
-    p2 = probs(prompt + [int(x1)])
-    for x2 in np.nonzero(p2)[0]:
-      law[(int(x1), int(x2))] = p1[x1] * p2[x2]
+
+  def emit(seq, out, prob, depth):
+    """`out` generated so far; depth: drafts accepted in the current cycle (None: before the
+    prefill's token)."""
+    if prob == 0.0:
+      return
+    if len(out) == n:
+      law[tuple(out)] = law.get(tuple(out), 0.0) + prob
+      return
+    p = probs(seq)
+    if draft_tokens is None or depth is None or depth == len(draft_tokens):
+      for y in np.nonzero(p)[0]:
+        emit(seq + [int(y)], out + [int(y)], prob * p[y], 0)  # a new cycle starts
+      return
+    x = draft_tokens[depth]
+    accept = lam + (1 - lam) * p[x]
+    emit(seq + [x], out + [x], prob * accept, depth + 1)
+    if p[x] < 1.0:
+      rest = p.copy()
+      rest[x] = 0.0
+      rest /= rest.sum()
+      for y in np.nonzero(rest)[0]:
+        emit(seq + [int(y)], out + [int(y)], prob * (1 - accept) * rest[y], 0)
+
+  emit(list(prompt), [], 1.0, None)
   return law
 
 
-@pytest.mark.parametrize('method', ['pld', 'dflash', 'dflash_resample', 'd2sd'])
-def test_sampled_joint_law_equals_ar(tiny, method):
-  cfg, params = tiny
-  prompt = [40, 12, 12, 12, 12, 12, 12]  # the tiny model likes repeating: lookup drafts hit
-  sampling = S.SamplingSettings(temperature=3.0, top_k=3)
-  gen = G.GenerationSettings(max_new_tokens=2, eos_ids=(), pad_id=0, sampling=sampling)
-  law = exact_two_token_law(cfg, params, prompt, sampling)
-  bundle = bundle_for(tiny) if method != 'pld' else {'target': params}
-  spec = SP.SpecSettings(gen, method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2,
-                         n_branches=2)
-  B, runs = 256, 4
-  block, lens = G.pad_prompts([prompt] * B, 0, bucket=8)
+def pooled_chi2(counts: dict, law: dict) -> tuple[float, int]:
+  """Chi-square over the law's cells, cells expected < 5 times pooled into one; (stat, dof)."""
+  n = sum(counts.values())
+  assert set(counts) <= set(law), f'outside the support: {set(counts) - set(law)}'
+  stat, small_obs, small_exp, cells = 0.0, 0, 0.0, 0
+  for k, p in law.items():
+    if n * p < 5:
+      small_obs += counts.get(k, 0)
+      small_exp += n * p
+    else:
+      stat += (counts.get(k, 0) - n * p)**2 / (n * p)
+      cells += 1
+  if small_exp > 0:
+    stat += (small_obs - small_exp)**2 / small_exp
+    cells += 1
+  return stat, cells - 1
+
+
+CHI2_999 = {d: x for d, x in enumerate([10.8, 10.8, 13.8, 16.3, 18.5, 20.5, 22.5, 24.3, 26.1, 27.9,
+                                        29.6, 31.3, 32.9, 34.5, 36.1, 37.7, 39.3, 40.8, 42.3,
+                                        43.8, 45.3, 46.8, 48.3, 49.7, 51.2, 52.6, 54.1, 55.5,
+                                        56.9, 58.3, 59.7, 61.1, 62.5])}  # p = 0.001
+
+
+def sampled_windows(cfg, bundle, spec, prompt, runs, B=256):
   _, init, loop, _ = jitted()
-  counts, accepted = {}, 0
+  block, lens = G.pad_prompts([prompt] * B, 0, bucket=8)
+  counts, accepted, cycles = {}, 0, 0
+  n = spec.generation.max_new_tokens
   for run in range(runs):
     state = init(bundle, cfg, spec, block, lens, G.row_keys(run, range(B)),
                  SP.cache_size_needed(block.shape[1], spec))
     state = loop(bundle, cfg, spec, state)
-    out = np.asarray(SP.generated(state, 2))
     accepted += int(state.accepted_hist_BxK[:, 1:].sum())
-    for x1, x2 in out.tolist():
-      counts[(x1, x2)] = counts.get((x1, x2), 0) + 1
-  n = B * runs
-  assert set(counts) <= set(law), 'a pair outside the support of the target law'
-  stat = sum((counts.get(k, 0) - n * p)**2 / (n * p) for k, p in law.items())
-  assert stat < 27.9  # <= 9 cells: p ≈ 0.0005 at 8 degrees of freedom
-  if method == 'pld':
-    assert accepted > 0.1 * n  # the drafts were accepted often enough to matter
+    cycles += int(state.cycles_B.sum())
+    for row in np.asarray(SP.generated(state, n)).tolist():
+      counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+  return counts, accepted, cycles
+
+
+WINDOW_PROMPT = spec_helpers.PROMPTS[0]
+WINDOW_SAMPLING = S.SamplingSettings(temperature=1.0, top_k=2)
+
+
+@pytest.fixture(scope='module')
+def trained(tiny):
+  return spec_helpers.trained_bundle(tiny)
+
+
+@pytest.mark.parametrize('method', ['pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd',
+                                    'oracle_tree'])
+def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
+  """Four generated tokens (three from speculative cycles, which commit several at a time
+  when drafts are accepted) follow the target's joint law, for every method."""
+  cfg, params = tiny
+  n = 4
+  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
+  prompt = WINDOW_PROMPT
+  if method == 'pld':  # prompt lookup needs a context that repeats: prompt, its greedy
+    greedy = G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0)  # continuation, prompt
+    prompt = prompt + spec_helpers.ar_outputs(cfg, params, [prompt], greedy)[0] + prompt
+  law = window_law(cfg, params, prompt, WINDOW_SAMPLING, n)
+  if method == 'oracle_tree':
+    greedy = G.GenerationSettings(max_new_tokens=n + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
+    reference = jnp.asarray(spec_helpers.ar_outputs(cfg, params, [WINDOW_PROMPT] * 256, greedy))
+    monkeypatch.setitem(drafting.REGISTRY, method,
+                        spec_helpers.oracle_tree(reference, cfg.vocab_size))
+    spec = spec_helpers.oracle_spec(gen, method)
+  else:
+    spec = SP.SpecSettings(gen, method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2,
+                           n_branches=2)
+  counts, accepted, cycles = sampled_windows(cfg, trained, spec, prompt, runs=8)
+  stat, dof = pooled_chi2(counts, law)
+  assert stat < CHI2_999[dof], (stat, dof)
+  assert accepted > 0.1 * cycles, (accepted, cycles)  # cycles really committed several tokens
+
+
+@pytest.mark.parametrize('lam', [0.0, 0.5])
+def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
+  """λ > 0 through the whole loop over four tokens: a drafter that always proposes the same
+  chain, against the law derived cycle by cycle (window_law); λ = 0 against the target's."""
+  cfg, params = tiny
+  n, chain = 4, [12, 40, 41, 42]
+
+  def fixed(params_, cfg_, settings, state):
+    del params_, cfg_
+    B = state.seq_len_B.shape[0]
+    draft = jnp.broadcast_to(jnp.asarray(chain, jnp.int32), (B, len(chain)))
+    return tree_lib.chain(state.anchor_B, draft, jnp.ones_like(draft, bool))
+
+  monkeypatch.setitem(drafting.REGISTRY, 'fixed_chain', drafting.Method(fixed))
+  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
+  spec = SP.SpecSettings(gen, method='fixed_chain', gamma=len(chain) + 1, leniency=lam)
+  law = window_law(cfg, params, WINDOW_PROMPT, WINDOW_SAMPLING, n, chain, lam)
+  if lam == 0.0:
+    ar_law = window_law(cfg, params, WINDOW_PROMPT, WINDOW_SAMPLING, n)
+    assert set(law) == set(ar_law)
+    for k, p in ar_law.items():
+      assert abs(law[k] - p) < 1e-9
+  counts, accepted, cycles = sampled_windows(cfg, {'target': params}, spec, WINDOW_PROMPT,
+                                             runs=8)
+  stat, dof = pooled_chi2(counts, law)
+  assert stat < CHI2_999[dof], (stat, dof)
+  assert accepted > 0.2 * cycles, (accepted, cycles)
 
 
 def test_soft_q_for_an_argmax_draft_is_detected_in_the_sampler():

@@ -13,7 +13,15 @@ from d2sd_jax import model as M
 from d2sd_jax import sampling as S
 from d2sd_jax import speculative as SP
 from d2sd_jax import tree as tree_lib
-from spec_helpers import DCFG, DCFG2, PROMPTS, bundle_for, jitted, run_both
+import spec_helpers as H
+from spec_helpers import DCFG, DCFG2, PROMPTS, jitted, run_both
+
+
+@pytest.fixture(scope='module')
+def trained(tiny):
+  """Tiny drafters trained on the tiny target's outputs: their drafts are accepted."""
+  return H.trained_bundle(tiny)
+
 
 @pytest.mark.parametrize('gamma', [2, 5, 8])
 def test_pld_greedy_equals_ar(tiny, gamma):
@@ -25,16 +33,20 @@ def test_pld_greedy_equals_ar(tiny, gamma):
   assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0  # drafts were accepted along the way
 
 
-def test_eos_inside_accepted_path_stops_where_ar_does(tiny):
+def test_tiny_target_is_not_degenerate(tiny):
+  """Its greedy outputs vary, and they depend on the context beyond the last token."""
   cfg, params = tiny
-  free, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(
-      G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=0), gamma=6))
-  for eos in {free[0][5], free[2][3]}:
-    spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=16, eos_ids=(eos,), pad_id=0),
-                           gamma=6)
-    ar, sp, _ = run_both(cfg, params, PROMPTS, spec)
-    assert sp == ar
-    assert any(len(o) < 16 for o in ar)
+  gen = G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=0)
+  outs = H.ar_outputs(cfg, params, PROMPTS, gen)
+  assert all(len(set(o)) >= 5 for o in outs), outs
+  a = H.full_last_logits(cfg, params, jnp.asarray([[3, 9, 12]]))
+  b = H.full_last_logits(cfg, params, jnp.asarray([[50, 9, 12]]))
+  assert int(jnp.argmax(a)) != int(jnp.argmax(b))
+
+
+def test_eos_inside_accepted_path_stops_where_ar_does(tiny, trained):
+  """The oracle's accepted path runs past an EOS token: the cycle commits up to the EOS only."""
+  H.check_eos_inside_accepted_path(tiny, trained)
 
 
 @pytest.mark.parametrize('max_new', [1, 2, 7])
@@ -46,35 +58,11 @@ def test_length_limit_inside_accepted_path(tiny, max_new):
   assert sp == ar and all(len(o) == max_new for o in sp)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def fresh_prefill_cache(cfg, params, tokens_1xL):
-  """Cache of a plain causal prefill (slots past the real tokens are causal junk; compare
-  only the first n)."""
-  L = tokens_1xL.shape[1]
-  _, cache, _ = M.forward(params, cfg, tokens_1xL, jnp.arange(L)[None], M.init_cache(cfg, 1, L),
-                          jnp.zeros((1,), jnp.int32))
-  return cache
-
-
-def test_cache_equals_fresh_prefill_after_each_cycle(tiny):
-  cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=30, eos_ids=(), pad_id=0), gamma=6)
-  _, init, _, step = jitted()
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init({'target': params}, cfg, spec, block, lens, G.row_keys(0, range(3)),
-               SP.cache_size_needed(block.shape[1], spec))
-  for _ in range(5):
-    state = step({'target': params}, cfg, spec, state)
-    for b in range(3):
-      n = int(state.cache_len_B[b])
-      assert n == int(state.seq_len_B[b]) - 1
-      ref = fresh_prefill_cache(cfg, params, state.seq_BxL[b:b + 1, :64])
-      for layer, ref_layer in zip(state.cache, ref):
-        for kv in ('k', 'v'):
-          np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-5,
-                                     atol=1e-5)
-      # Nothing but pad after the committed tokens.
-      assert all(t == 0 for t in state.seq_BxL[b, int(state.seq_len_B[b]):].tolist())
+def test_oracle_tree_accepts_branch_paths_and_caches_stay_fresh(tiny, trained):
+  """Every cycle accepts a path through a branch (compaction moves its K/V; the drafters'
+  contexts take its features): after each cycle every cache equals a fresh prefill."""
+  counts = H.check_oracle_tree(tiny, trained)
+  assert counts['accepted'] >= 3 * counts['cycles']
 
 
 def oracle_drafter(reference_BxN, corrupt):
@@ -97,7 +85,8 @@ def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   ar, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(gen, gamma=5))
   reference = jnp.asarray([o + [0] * 8 for o in ar])
   method = 'oracle_wrong' if corrupt else 'oracle'  # distinct static settings -> own program
-  monkeypatch.setitem(drafting.REGISTRY, method, drafting.Method(oracle_drafter(reference, corrupt)))
+  monkeypatch.setitem(drafting.REGISTRY, method,
+                      drafting.Method(oracle_drafter(reference, corrupt)))
   spec = SP.SpecSettings(gen, method=method, gamma=5)
   ar2, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar == ar2
@@ -167,43 +156,95 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
 
 
 # ----------------------------------------------------------------------------------------------
-# Drafter-based methods (untrained tiny drafters: acceptance is rare, correctness is the point).
+# Drafter-based methods, with tiny drafters trained on the target: drafts are accepted.
 
 @pytest.mark.parametrize('method,steps,budget', [
     ('dflash', 1, 0), ('dflash', 2, 0), ('dflash_resample', 1, 0), ('dflash_dflash', 1, 0),
     ('d2sd', 1, 0), ('d2sd', 3, 11)])
-def test_drafter_methods_equal_ar(tiny, method, steps, budget):
-  cfg, _ = tiny
+def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget):
+  """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
+  D2SD also on drafter 2's branches)."""
+  cfg, params = tiny
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
                          steps=steps, tree_budget=budget)
-  ar, sp, state = run_both(cfg, bundle_for(tiny), PROMPTS, spec)
-  assert sp == ar
+  outs, counts = H.run_cycles(cfg, trained, spec, PROMPTS)
+  assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)
   assert spec.tree_size == (11 if budget else 5 + (12 if method != 'dflash' else 0))
+  assert counts['accepted'] >= counts['cycles'], counts
+  if method == 'd2sd' and not budget:
+    assert counts['branch_accepts'] > 0, counts
 
 
-def test_d2sd_caches_equal_fresh_prefill(tiny):
+def test_d2sd_tree_is_drafter2_at_the_top_r_cuts(tiny, trained):
+  H.check_d2sd_tree_is_drafter2(tiny, trained)
+
+
+def test_every_verified_node_is_reachable(tiny, trained):
+  H.check_every_verified_node_reachable(tiny, trained)
+
+
+def test_branch_points_are_the_top_r_by_enumeration():
+  H.check_branch_points()
+
+
+def key_bits(key):
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return tuple(np.asarray(key).ravel().tolist())
+
+
+def test_drafting_and_acceptance_keys_never_collide(tiny):
+  """The drafting stream, every node's acceptance key and the bonus key are distinct, in every
+  cycle, and distinct from the keys AR sampling uses for the same row (fold_in(row, n))."""
   cfg, params = tiny
-  bundle = bundle_for(tiny)
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
-                         method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=2)
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0), gamma=5)
   _, init, _, step = jitted()
   block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(bundle, cfg, spec, block, lens, G.row_keys(0, range(3)),
+  row_keys = G.row_keys(0, range(3))
+  state = init({'target': params}, cfg, spec, block, lens, row_keys,
                SP.cache_size_needed(block.shape[1], spec))
-  for _ in range(3):
-    state = step(bundle, cfg, spec, state)
+  seen = [set() for _ in range(3)]
+  for _ in range(4):
+    draft_B, accept_B = state.cycle_keys
+    nodes = tree_lib.node_keys(accept_B, spec.tree_size)
+    for b in range(3):
+      keys = [key_bits(k) for k in [draft_B[b], *nodes[b]]]
+      assert len(set(keys)) == len(keys)
+      assert not seen[b] & set(keys)
+      seen[b] |= set(keys)
+    state = step({'target': params}, cfg, spec, state)
   for b in range(3):
-    n = int(state.cache_len_B[b])
-    toks = state.seq_BxL[b:b + 1, :n]
-    _, _, feats = M.forward(params, cfg, toks, jnp.arange(n)[None], M.init_cache(cfg, 1, n),
-                            jnp.zeros((1,), jnp.int32), feature_layers=(0, 1, 2))
-    for name, dcfg in (('drafter1', DCFG), ('drafter2', DCFG2)):
-      ref = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
-                         jnp.arange(n)[None])
-      for layer, ref_layer in zip(state.draft_caches[name], ref):
-        np.testing.assert_allclose(layer['k'][b, :, :n], ref_layer['k'][0], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(layer['v'][b, :, :n], ref_layer['v'][0], rtol=1e-4, atol=1e-5)
+    ar_keys = {key_bits(jax.random.fold_in(row_keys[b], n)) for n in range(40)}
+    assert not seen[b] & ar_keys
+
+
+def test_resampled_branch_of_a_certain_drafter_is_dropped_not_nan(tiny, trained, monkeypatch):
+  """Drafter 1 with probability exactly 1 on its chain token: no other token is left to
+  resample at that branch's first position. The branch is dropped; nothing is NaN; the output
+  still follows the target at T > 0."""
+  cfg, params = tiny
+  real_first_draft = drafting.first_draft
+
+  def certain(params_, cfg_, settings, state):
+    tokens, conf, probs = real_first_draft(params_, cfg_, settings, state)
+    return tokens, conf, jax.nn.one_hot(tokens, probs.shape[-1])
+
+  monkeypatch.setattr(drafting, 'first_draft', certain)
+  jax.clear_caches()
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0,
+                                              sampling=S.SamplingSettings(temperature=1.0)),
+                         method='dflash_resample', gamma=5, drafter1=DCFG, n_branches=2)
+  _, init, _, _ = jitted()
+  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(trained, cfg, spec, block, lens, G.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  tree = jax.jit(SP.draft, static_argnums=(1, 2))(trained, cfg, spec, state)
+  assert np.isfinite(np.asarray(tree.q_BxTxV)).all()
+  assert not np.asarray(tree.valid_BxT[:, spec.gamma:]).any()  # every branch dropped
+  _, sp, _ = run_both(cfg, trained, PROMPTS, spec)
+  assert all(0 <= t < cfg.vocab_size for row in sp for t in row) and all(len(r) == 6 for r in sp)
+  jax.clear_caches()
 
 
 def test_branch_points_and_packing():
@@ -246,29 +287,29 @@ def test_invalid_spec_settings():
 
 
 
-def test_d2sd_on_smollm2_equals_reference_greedy(smollm2):
-  """The full method (random small drafters: acceptance is rare, losslessness is the point) on
-  the real target and the reference prompts, one batch of 6 lengths."""
+@pytest.mark.parametrize('batch', [1, 3])
+def test_d2sd_on_smollm2_with_shipped_drafters_equals_reference_greedy(smollm2, batch):
+  """The full method with the shipped drafters on the real target and the reference prompts
+  (transformers' greedy tokens, float32), one row and three rows of different lengths."""
   import json
   import os
+  from d2sd_jax import checkpoints as ckpt
   with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.json')) as f:
-    cases = json.load(f)['generation_cases']
+    cases = json.load(f)['generation_cases'][:batch]
   tcfg, tok = smollm2.cfg, smollm2.tokenizer
-  small = D.DrafterConfig(gamma=6, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                          d_ff=128, feature_layers=(1, 15, 30))
-  bundle = {'target': smollm2.params,
-            'drafter1': D.init_params(small, tcfg, jax.random.PRNGKey(1)),
-            'drafter2': D.init_params(small, tcfg, jax.random.PRNGKey(2))}
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=tok.pad_id),
-                         method='d2sd', gamma=6, drafter1=small, drafter2=small, n_branches=2)
+  d1cfg, d1, _ = ckpt.load_drafter('drafters/smollm2-drafter1', smollm2)
+  d2cfg, d2, _ = ckpt.load_drafter('drafters/smollm2-drafter2', smollm2)
+  bundle = {'target': smollm2.params, 'drafter1': d1, 'drafter2': d2}
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=24, eos_ids=(), pad_id=tok.pad_id),
+                         method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg, drafter2=d2cfg,
+                         n_branches=3, tree_budget=16)
   block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
   _, init, loop, _ = jitted()
   state = init(bundle, tcfg, spec, block, lens, G.row_keys(0, range(len(cases))),
                SP.cache_size_needed(block.shape[1], spec))
   state = loop(bundle, tcfg, spec, state)
-  out = SP.generated(state, 16)
+  out = SP.generated(state, 24)
   for b, case in enumerate(cases):
-    n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 16)
-    assert out[b, :min(n, 16)].tolist() == case['greedy_ids'][:min(n, 16)], case['prompt']
-
-
+    n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 24)
+    assert out[b, :min(n, 24)].tolist() == case['greedy_ids'][:min(n, 24)], case['prompt']
+  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0  # the drafters' tokens were accepted

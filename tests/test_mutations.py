@@ -1,0 +1,114 @@
+"""Mutation suite: known-bad changes to the speculative core, each applied to a copy of its
+module, must make a check of the default test run fail.
+
+A mutation replaces one exact piece of source (which must still exist, so the suite follows the
+code), executes the changed module under its own name, and points the real module's functions
+(and its method registry) at the changed ones for the duration of one check. JAX's caches are
+cleared around it so that every program is traced again with the broken code.
+"""
+import inspect
+import types
+
+import jax
+import pytest
+
+from d2sd_jax import drafting
+from d2sd_jax import speculative as SP
+from d2sd_jax import tree as tree_lib
+import spec_helpers as H
+import test_acceptance
+
+
+def apply_mutation(monkeypatch, module, old: str, new: str):
+  source = inspect.getsource(module)
+  assert source.count(old) == 1, f'{module.__name__} no longer contains {old!r}: update the mutant'
+  mutant = types.ModuleType(module.__name__)
+  mutant.__file__ = module.__file__
+  exec(compile(source.replace(old, new), module.__file__, 'exec'), mutant.__dict__)  # pylint: disable=exec-used
+  for name, obj in vars(mutant).items():
+    if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+      monkeypatch.setattr(module, name, obj)
+  if hasattr(mutant, 'REGISTRY'):
+    monkeypatch.setattr(module, 'REGISTRY', mutant.REGISTRY)
+  jax.clear_caches()
+
+
+MUTATIONS = {
+    # The target cache keeps the tree's K/V where verification wrote them (node order), not in
+    # path order: only visible when a path through a branch is accepted.
+    'skip cache compaction': (
+        SP, 'cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)',
+        'cache = v.cache', 'oracle_tree'),
+    'drafter contexts not extended': (
+        SP, '''    draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
+                                          state.cache_len_B)''', '    pass', 'oracle_tree'),
+    # EOS honoured only when it is the bonus token, not inside the accepted drafts.
+    'ignore EOS inside a cycle': (
+        SP, 'is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)',
+        'is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j == n_acc)', 'eos'),
+    'zero drafter 2': (
+        drafting, "return _redrafted(params, cfg, settings, state, 'drafter2')",
+        "return _redrafted({**params, 'drafter2': jax.tree.map(jnp.zeros_like, "
+        "params['drafter2'])}, cfg, settings, state, 'drafter2')", 'd2sd_tree'),
+    'drafter 1 instead of drafter 2': (
+        drafting, "return _redrafted(params, cfg, settings, state, 'drafter2')",
+        "return _redrafted(params, cfg, settings, state, 'drafter1')", 'd2sd_tree'),
+    'r(i) without (1 - c_{i+1})': (
+        drafting, 'log_r = log_prefix + jnp.log1p(-c)', 'log_r = log_prefix + 0 * c',
+        'branch_points'),
+    'r(i) off by one': (
+        drafting, 'log_r = log_prefix + jnp.log1p(-c)',
+        'log_r = jnp.cumsum(jnp.log(c), 1) + jnp.log1p(-jnp.roll(c, -1, 1))', 'branch_points'),
+    'branches may repeat the chain token': (
+        drafting, 'forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)',
+        'forbid_BxKxG = None', 'reachable'),
+    'bonus drawn from p, not the residual': (
+        tree_lib, 'jax.random.categorical(k, jnp.log(r)))(keys[:, T], r_BxV)',
+        'jax.random.categorical(k, jnp.log(r)))(keys[:, T], p_BxTxV[jnp.arange(B), node])',
+        'sibling_law'),
+    'sample-and-match descends into a duplicate sibling': (
+        tree_lib, 'match = reachable(tree) & (tree.tokens_BxT == y_at_parent)',
+        'match = tree.valid_BxT & (tree.tokens_BxT == y_at_parent)', 'duplicate_law'),
+}
+
+
+@pytest.fixture(scope='module')
+def trained(tiny):
+  return H.trained_bundle(tiny)
+
+
+def run_check(kind, tiny, trained):
+  if kind == 'oracle_tree':
+    H.check_oracle_tree(tiny, trained, max_new_tokens=12)
+  elif kind == 'eos':
+    H.check_eos_inside_accepted_path(tiny, trained, max_new_tokens=12)
+  elif kind == 'd2sd_tree':
+    H.check_d2sd_tree_is_drafter2(tiny, trained, cycles=1)
+  elif kind == 'branch_points':
+    H.check_branch_points()
+  elif kind == 'reachable':
+    H.check_every_verified_node_reachable(tiny, trained, methods=('d2sd',))
+  elif kind == 'sibling_law':
+    test_acceptance.check_sibling_laws_exact()
+  elif kind == 'duplicate_law':
+    test_acceptance.check_sample_and_match_exact()
+  else:
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize('name', sorted(MUTATIONS))
+def test_mutation_is_caught(name, tiny, trained, monkeypatch):
+  module, old, new, kind = MUTATIONS[name]
+  apply_mutation(monkeypatch, module, old, new)
+  try:
+    with pytest.raises(AssertionError):
+      run_check(kind, tiny, trained)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_checks_pass_on_the_real_code(tiny, trained):
+  """The same checks, unmutated (the other test files also run them, on larger settings)."""
+  for kind in sorted({m[3] for m in MUTATIONS.values()}):
+    run_check(kind, tiny, trained)
