@@ -185,12 +185,38 @@ def dflash_resample(params, cfg, settings, state) -> tree_lib.Tree:
                    branch_laws_BxKxGxV=law_BxKxGxV, branch_valid_BxK=usable_BxK)
 
 
+def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
+  """Beyond the paper: D2SD's tree plus prompt lookup's proposal as one more branch, verified
+  in the same pass. It hangs under the deepest chain node it agrees with, and is dropped where
+  its first new token repeats a sibling's (chain or drafter-2 branch at the same cut)."""
+  chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
+      params, cfg, settings, state)
+  forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)
+  branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, 'drafter2', prefix_BxKxG,
+                                ~keep_BxKxG, forbid_BxKxG)
+  lookup = pld(params, cfg, settings, state)  # a chain tree: [anchor, proposal ...]
+  agree_BxG = jnp.cumprod(lookup.tokens_BxT == chain_BxG, axis=1).astype(bool)
+  lookup_cut_B = jnp.sum(agree_BxG, axis=1) - 1  # deepest chain node on lookup's path
+  depth = jnp.arange(settings.gamma)[None]
+  first_B = jnp.take_along_axis(lookup.tokens_BxT, jnp.minimum(lookup_cut_B + 1,
+                                                              settings.gamma - 1)[:, None], 1)[:, 0]
+  repeats = jnp.any((cut_BxK == lookup_cut_B[:, None]) &
+                    (jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, settings.gamma - 1)
+                                         [..., None], 2)[..., 0] == first_B[:, None]), axis=1)
+  lookup_valid_BxG = lookup.valid_BxT & ~repeats[:, None] & (depth > lookup_cut_B[:, None])
+  ones_BxKxG = jnp.ones_like(keep_BxKxG)
+  return pack_tree(state.anchor_B, chain_BxG,
+                   jnp.concatenate([branch_BxKxG, lookup.tokens_BxT[:, None]], 1),
+                   jnp.concatenate([cut_BxK, lookup_cut_B[:, None]], 1), settings.tree_size,
+                   branch_valid_BxK=jnp.concatenate([ones_BxKxG, lookup_valid_BxG[:, None]], 1))
+
+
 def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
               branch_laws_BxKxGxV=None, branch_valid_BxK=None) -> tree_lib.Tree:
   """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
   until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0).
   With `branch_laws`, the tree carries each node's proposal law (chain nodes: point masses);
-  `branch_valid` marks whole branches as never to be accepted."""
+  `branch_valid` ([B, K] or per position [B, K, G]) marks nodes never to be accepted."""
   B, K, G = branches_BxKxG.shape
   p = jnp.arange(G)
   new = p[None, None] > cut_BxK[..., None]  # [B, K, G]
@@ -206,9 +232,9 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
   flat = lambda x: x.reshape(B, K * G)
   tokens = tokens.at[rows, flat(dest)].set(flat(branches_BxKxG), mode='drop')
   parents = parents.at[rows, flat(dest)].set(flat(parent).astype(jnp.int32), mode='drop')
-  branch_ok = (jnp.ones((B, K), bool) if branch_valid_BxK is None else branch_valid_BxK)
-  valid = valid.at[rows, flat(dest)].set(flat(jnp.broadcast_to(branch_ok[..., None], (B, K, G))),
-                                         mode='drop')
+  ok = jnp.ones((B, K), bool) if branch_valid_BxK is None else branch_valid_BxK
+  ok_BxKxG = jnp.broadcast_to(ok if ok.ndim == 3 else ok[..., None], (B, K, G))
+  valid = valid.at[rows, flat(dest)].set(flat(ok_BxKxG), mode='drop')
   q = None
   if branch_laws_BxKxGxV is not None:
     V = branch_laws_BxKxGxV.shape[-1]
@@ -223,3 +249,5 @@ register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_br
                                    branched=True))
 register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True))
 register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
+register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
+                            lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True))

@@ -415,7 +415,7 @@ def check_branch_points():
 
 
 def check_every_verified_node_reachable(tiny, bundle, methods=('dflash_resample', 'dflash_dflash',
-                                                               'd2sd')):
+                                                               'd2sd', 'd2sd_pld')):
   """No verified node is a repeat of an earlier sibling's token (sample-and-match could never
   enter it): every valid node of every tree drafted along a generation is reachable."""
   cfg, _ = tiny

@@ -361,7 +361,7 @@ def trained(tiny):
 
 
 @pytest.mark.parametrize('method', ['pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd',
-                                    'oracle_tree'])
+                                    'd2sd_pld', 'oracle_tree'])
 def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
   """Four generated tokens (three from speculative cycles, which commit several at a time
   when drafts are accepted) follow the target's joint law, for every method."""
@@ -369,7 +369,7 @@ def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
   n = 4
   gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
   prompt = WINDOW_PROMPT
-  if method == 'pld':  # prompt lookup needs a context that repeats: prompt, its greedy
+  if method in ('pld', 'd2sd_pld'):  # lookup needs a context that repeats: prompt, its greedy
     greedy = G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0)  # continuation, prompt
     prompt = prompt + spec_helpers.ar_outputs(cfg, params, [prompt], greedy)[0] + prompt
   law = window_law(cfg, params, prompt, WINDOW_SAMPLING, n)

@@ -160,7 +160,7 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
 
 @pytest.mark.parametrize('method,steps,budget', [
     ('dflash', 1, 0), ('dflash', 2, 0), ('dflash_resample', 1, 0), ('dflash_dflash', 1, 0),
-    ('d2sd', 1, 0), ('d2sd', 3, 11)])
+    ('d2sd', 1, 0), ('d2sd', 3, 11), ('d2sd_pld', 1, 0)])
 def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
   D2SD also on drafter 2's branches)."""
@@ -170,9 +170,10 @@ def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget):
                          steps=steps, tree_budget=budget)
   outs, counts = H.run_cycles(cfg, trained, spec, PROMPTS)
   assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)
-  assert spec.tree_size == (11 if budget else 5 + (12 if method != 'dflash' else 0))
+  full = {'dflash': 5, 'd2sd_pld': 5 + 12 + 4}.get(method, 5 + 12)  # chain + 3 branches (+ pld)
+  assert spec.tree_size == (budget or full)
   assert counts['accepted'] >= counts['cycles'], counts
-  if method == 'd2sd' and not budget:
+  if method in ('d2sd', 'd2sd_pld') and not budget:
     assert counts['branch_accepts'] > 0, counts
 
 
