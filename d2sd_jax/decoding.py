@@ -245,7 +245,7 @@ class SpecRunner(Runner):
   def outputs(self, state):
     out = SP.generated(state, self.settings.generation.max_new_tokens)
     out, counts, steps, cycles, hist = jax.device_get(
-        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxK))
+        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxC))
     return out, counts, int(steps), cycles, hist
 
 

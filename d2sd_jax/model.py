@@ -11,12 +11,14 @@ Parameter layout (`layers` is a list with one dict per layer):
   lm_head      [V, D]              (only when embeddings are untied)
   final_norm   [D]
   attn_norm [D], mlp_norm [D]
-  wqkv         [KVH, G+2, hd, D]   per KV head: its G query heads, then its key, then its value
-  bqkv         [KVH, G+2, hd]      (Qwen2 biases)
+  wqkv         [Hkv, Hg+2, hd, D]   per KV head: its Hg query heads, then its key, then its value
+  bqkv         [Hkv, Hg+2, hd]      (Qwen2 biases)
   q_norm, k_norm [hd]              (Qwen3 per-head RMSNorm)
   wo           [D, H*hd]
   w_gate_up    [2, F, D]           gate then up
   w_down       [D, F]
+Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = H / Hkv query
+heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
 Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products stream
 them 8-13 % faster than [in, out] at batch 1 and 8.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 Params = dict[str, Any]
-Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, KVH, S, hd]
+Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, Hkv, S, hd]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ class ModelConfig:
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
   """Random parameters (tests and benchmarks); real ones come from `d2sd_jax.loaders`."""
-  L, D, H, KVH, hd, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+  L, D, H, Hkv, hd, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                             cfg.d_ff, cfg.vocab_size)
   ks = iter(jax.random.split(key, 8 * L + 8))
   normal = lambda shape, s=scale: (s * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
@@ -79,13 +81,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
     lp = {
         'attn_norm': near_one((D,)),
         'mlp_norm': near_one((D,)),
-        'wqkv': normal((KVH, cfg.group + 2, hd, D), scale / D**0.5 * 4),
+        'wqkv': normal((Hkv, cfg.group + 2, hd, D), scale / D**0.5 * 4),
         'wo': normal((D, H * hd), scale / (H * hd)**0.5 * 4),
         'w_gate_up': normal((2, F, D), scale / D**0.5 * 4),
         'w_down': normal((D, F), scale / F**0.5 * 4),
     }
     if cfg.qkv_bias:
-      lp['bqkv'] = normal((KVH, cfg.group + 2, hd), 0.1)
+      lp['bqkv'] = normal((Hkv, cfg.group + 2, hd), 0.1)
     if cfg.qk_norm:
       lp['q_norm'] = near_one((hd,))
       lp['k_norm'] = near_one((hd,))
@@ -99,7 +101,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
-  """One {'k', 'v'} buffer pair per layer, [B, KVH, S, hd].
+  """One {'k', 'v'} buffer pair per layer, [B, Hkv, S, hd].
 
   Separate per-layer buffers let XLA update each in place inside a while loop (writing a slice
   of one stacked [L, ...] array copied the whole cache once per layer), and heads-before-slots
@@ -116,17 +118,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BxTxNxhd: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
+def rope(x_BxTxNhxhd: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
   """Rotary embedding, 'rotate half' convention (Hugging Face layout)."""
-  hd = x_BxTxNxhd.shape[-1]
+  hd = x_BxTxNhxhd.shape[-1]
   inv_freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
   angle_BxTxh = positions_BxT[..., None].astype(jnp.float32) * inv_freq
   cos = jnp.cos(angle_BxTxh)[:, :, None, :]
   sin = jnp.sin(angle_BxTxh)[:, :, None, :]
-  x = x_BxTxNxhd.astype(jnp.float32)
+  x = x_BxTxNhxhd.astype(jnp.float32)
   x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxhd.dtype)
+  return out.astype(x_BxTxNhxhd.dtype)
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:
@@ -140,45 +142,46 @@ def _linear(x_BxTxI, w_OxI):
 UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
 
 
-def write_rows(cache_BxKxSxhd, new_BxKxTxhd, start_B):
+def write_rows(cache_BxHkvxSxhd, new_BxHkvxTxhd, start_B):
   """cache[b, :, start_b:start_b+T] = new[b].
 
   Small batches: one in-place dynamic-update-slice per row (a scatter made XLA:CPU copy the
   layer's whole cache every step). Large batches: one batched update (a scatter), which keeps
   the program small. Callers keep start_b + T <= S (a start past that is clamped).
   """
-  new_BxKxTxhd = new_BxKxTxhd.astype(cache_BxKxSxhd.dtype)
-  B = cache_BxKxSxhd.shape[0]
+  new_BxHkvxTxhd = new_BxHkvxTxhd.astype(cache_BxHkvxSxhd.dtype)
+  B = cache_BxHkvxSxhd.shape[0]
   if B > UNROLL_ROWS:
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(
-        cache_BxKxSxhd, new_BxKxTxhd, start_B)
+        cache_BxHkvxSxhd, new_BxHkvxTxhd, start_B)
   for b in range(B):
-    cache_BxKxSxhd = jax.lax.dynamic_update_slice(cache_BxKxSxhd, new_BxKxTxhd[b:b + 1],
+    cache_BxHkvxSxhd = jax.lax.dynamic_update_slice(cache_BxHkvxSxhd, new_BxHkvxTxhd[b:b + 1],
                                                   (b, 0, start_B[b], 0))
-  return cache_BxKxSxhd
+  return cache_BxHkvxSxhd
 
 
-def read_rows(cache_BxKxSxhd, start_B, length: int):
+def read_rows(cache_BxHkvxSxhd, start_B, length: int):
   """cache[b, :, start_b:start_b+length] for every row: [B, K, length, hd]."""
   return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, length, axis=1))(
-      cache_BxKxSxhd, start_B)
+      cache_BxHkvxSxhd, start_B)
 
 
 def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
-  """Queries [B, T, H, hd] and keys, values [B, T, KVH, hd] (RoPE applied) of normed inputs."""
+  """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs."""
   B, T, D = h_BxTxD.shape
-  KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
   # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
   # transpose it every step.
-  qkv = _linear(h_BxTxD, lp['wqkv'].reshape(-1, D)).reshape(B, T, KVH, G + 2, hd)
+  qkv = _linear(h_BxTxD, lp['wqkv'].reshape(-1, D)).reshape(B, T, Hkv, Hg + 2, hd)
   if cfg.qkv_bias:
     qkv = qkv + lp['bqkv']
-  q_BxTxKxGxhd, k_BxTxKxhd, v_BxTxKxhd = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+  q_BxTxHkvxHgxhd = qkv[:, :, :, :Hg]
+  k_BxTxHkvxhd, v_BxTxHkvxhd = qkv[:, :, :, Hg], qkv[:, :, :, Hg + 1]
   if cfg.qk_norm:
-    q_BxTxKxGxhd = rms_norm(q_BxTxKxGxhd, lp['q_norm'], cfg.norm_eps)
-    k_BxTxKxhd = rms_norm(k_BxTxKxhd, lp['k_norm'], cfg.norm_eps)
-  q_BxTxHxhd = rope(q_BxTxKxGxhd.reshape(B, T, KVH * G, hd), positions_BxT, cfg.rope_base)
-  return q_BxTxHxhd, rope(k_BxTxKxhd, positions_BxT, cfg.rope_base), v_BxTxKxhd
+    q_BxTxHkvxHgxhd = rms_norm(q_BxTxHkvxHgxhd, lp['q_norm'], cfg.norm_eps)
+    k_BxTxHkvxhd = rms_norm(k_BxTxHkvxhd, lp['k_norm'], cfg.norm_eps)
+  q_BxTxHxhd = rope(q_BxTxHkvxHgxhd.reshape(B, T, Hkv * Hg, hd), positions_BxT, cfg.rope_base)
+  return q_BxTxHxhd, rope(k_BxTxHkvxhd, positions_BxT, cfg.rope_base), v_BxTxHkvxhd
 
 
 def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
@@ -190,42 +193,43 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   the drafters, whose block tokens are never cached).
   """
   B, T, D = x_BxTxD.shape
-  KVH, G, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
-  q_BxTxHxhd, k_BxTxKxhd, v_BxTxKxhd = qkv_projection(cfg, lp, h, positions_BxT)
+  q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
 
   # Attention over [committed context in the cache ; the T new tokens], one softmax: the
   # context part reads the cache as it was, so the write below is the cache's only update and
   # XLA does it in place (attending through the freshly written cache made it copy the whole
   # layer cache several times per step).
-  k_new_BxKxTxhd = k_BxTxKxhd.transpose(0, 2, 1, 3)
-  v_new_BxKxTxhd = v_BxTxKxhd.transpose(0, 2, 1, 3)
-  q_BxKxQxhd = (q_BxTxHxhd.reshape(B, T, KVH, G, hd).transpose(0, 2, 3, 1, 4)
-                .reshape(B, KVH, G * T, hd).astype(jnp.float32) * hd**-0.5)
+  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3)
+  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3)
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
   f32 = lambda x: x.astype(jnp.float32)
-  scores_ctx_BxKxQxS = jnp.einsum('bkqh,bksh->bkqs', q_BxKxQxhd, f32(kv['k']))
-  scores_new_BxKxQxT = jnp.einsum('bkqh,bkth->bkqt', q_BxKxQxhd, f32(k_new_BxKxTxhd))
-  S = scores_ctx_BxKxQxS.shape[-1]
-  mask_new_Bx1xQxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, G, T, T))
+  scores_ctx_BxHkvxRxS = jnp.einsum('bkqh,bksh->bkqs', q_BxHkvxRxhd, f32(kv['k']))
+  scores_new_BxHkvxRxT = jnp.einsum('bkqh,bkth->bkqt', q_BxHkvxRxhd, f32(k_new_BxHkvxTxhd))
+  S = scores_ctx_BxHkvxRxS.shape[-1]
+  mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
   ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
-  ctx_mask_Bx1xQxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, G, T, S))
-  mask_BxKxQxST = jnp.concatenate(
-      [ctx_mask_Bx1xQxS.reshape(B, 1, G * T, S), mask_new_Bx1xQxT.reshape(B, 1, G * T, T)],
+  ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
+  mask_BxHkvxRxSplusT = jnp.concatenate(
+      [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
       axis=-1)
-  scores = jnp.concatenate([scores_ctx_BxKxQxS, scores_new_BxKxQxT], axis=-1)
-  probs = jax.nn.softmax(jnp.where(mask_BxKxQxST, scores, jnp.finfo(jnp.float32).min), axis=-1)
-  attn_BxKxQxhd = (jnp.einsum('bkqs,bksh->bkqh', probs[..., :S], f32(kv['v'])) +
-                   jnp.einsum('bkqt,bkth->bkqh', probs[..., S:], f32(v_new_BxKxTxhd)))
-  attn_BxTxE = (attn_BxKxQxhd.reshape(B, KVH, G, T, hd).transpose(0, 3, 1, 2, 4)
-                .reshape(B, T, KVH * G * hd).astype(x_BxTxD.dtype))
+  scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
+  probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, jnp.finfo(jnp.float32).min),
+                         axis=-1)
+  attn_BxHkvxRxhd = (jnp.einsum('bkqs,bksh->bkqh', probs[..., :S], f32(kv['v'])) +
+                   jnp.einsum('bkqt,bkth->bkqh', probs[..., S:], f32(v_new_BxHkvxTxhd)))
+  attn_BxTxE = (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
+                .reshape(B, T, Hkv * Hg * hd).astype(x_BxTxD.dtype))
   new_kv = kv
   if write_start_B is not None:
     # Order the write after the reads: XLA only updates the cache in place when the written
     # value depends on what read the old cache (an optimization barrier is not enough);
     # otherwise it copies the whole layer cache every step. `0 *` keeps the values.
-    after_reads_BxKxTxhd = 0.0 * attn_BxKxQxhd[:, :, :T].astype(k_new_BxKxTxhd.dtype)
-    new_kv = {'k': write_rows(kv['k'], k_new_BxKxTxhd + after_reads_BxKxTxhd, write_start_B),
-              'v': write_rows(kv['v'], v_new_BxKxTxhd + after_reads_BxKxTxhd, write_start_B)}
+    after_reads_BxHkvxTxhd = 0.0 * attn_BxHkvxRxhd[:, :, :T].astype(k_new_BxHkvxTxhd.dtype)
+    new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_BxHkvxTxhd, write_start_B),
+              'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_BxHkvxTxhd, write_start_B)}
   x_BxTxD = x_BxTxD + _linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
@@ -243,7 +247,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   Args:
     tokens_BxT, positions_BxT: the new tokens and their RoPE positions (a tree node's position is
       its depth after the context).
-    cache: per layer {'k', 'v'}: [B, KVH, S, hd]; the new tokens' K/V are written to slots
+    cache: per layer {'k', 'v'}: [B, Hkv, S, hd]; the new tokens' K/V are written to slots
       `cache_len_B + arange(T)`; callers keep cache_len + T <= S (a write past the end would be
       clamped onto earlier slots). Attention reads only slots < cache_len from the cache.
     tree_mask_BxTxT: which new tokens each new token attends to (itself and its ancestors);
@@ -252,7 +256,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
       of layer l).
 
   Returns:
-    (hidden_BxTxD after the final norm, updated cache, features_BxTxNxD or None)
+    (hidden_BxTxD after the final norm, updated cache, features_BxTxLfxD or None)
   """
   B, T = tokens_BxT.shape
   S = cache[0]['k'].shape[2]

@@ -107,7 +107,7 @@ class SpecState:
   done_B: jax.Array  # bool: EOS committed or max_new_tokens reached
   row_key_B: jax.Array  # PRNG key per row (fold_in(seed, prompt index): batch-independent)
   cycles_B: jax.Array  # int32: verification cycles run while the row was live
-  accepted_hist_BxK: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
+  accepted_hist_BxC: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
   steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
   draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
 
@@ -173,7 +173,7 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    seq_len_B=prompt_len_B + 1, prompt_len_B=prompt_len_B,
                    num_out_B=jnp.ones((B,), jnp.int32), done_B=done, row_key_B=row_key_B,
                    cycles_B=jnp.zeros((B,), jnp.int32),
-                   accepted_hist_BxK=jnp.zeros((B, settings.max_commit), jnp.int32),
+                   accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
                    steps=jnp.zeros((), jnp.int32), draft_caches=caches)
 
 
@@ -281,11 +281,11 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
                                           state.cache_len_B)
   num_out = state.num_out_B + n_commit_B
   done = state.done_B | (live_B & (hit_eos_B | (num_out >= gen.max_new_tokens)))
-  hist = state.accepted_hist_BxK.at[rows, acc.accept_len_B].add(live_B)
+  hist = state.accepted_hist_BxC.at[rows, acc.accept_len_B].add(live_B)
   return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
-                       accepted_hist_BxK=hist, steps=state.steps + 1,
+                       accepted_hist_BxC=hist, steps=state.steps + 1,
                        draft_caches=draft_caches)
 
 

@@ -104,7 +104,7 @@ def check_decode():
   ar2, split, state = spec_helpers.run_both(TINY, sharded, spec_helpers.PROMPTS, spec)
   assert split == plain == ar, (split, plain, ar)
   assert ar2 == ar
-  assert int(state.accepted_hist_BxK[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
+  assert int(state.accepted_hist_BxC[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
 
 
 if __name__ == '__main__':

@@ -188,8 +188,8 @@ def assert_caches_fresh(cfg, bundle, spec, state):
     ref_cache, feats = fresh_prefill(cfg, bundle['target'], state.seq_BxL[b:b + 1], layers)
     for layer, ref_layer in zip(state.cache, ref_cache):
       for kv in ('k', 'v'):
-        np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-4, atol=1e-4,
-                                   err_msg=f'target cache, row {b}')
+        np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-4,
+                                   atol=1e-4, err_msg=f'target cache, row {b}')
     for name in spec.drafters:
       dcfg = getattr(spec, name)
       idx = [layers.index(i) for i in dcfg.feature_layers]

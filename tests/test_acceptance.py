@@ -344,7 +344,7 @@ def sampled_windows(cfg, bundle, spec, prompt, runs, B=256):
     state = init(bundle, cfg, spec, block, lens, G.row_keys(run, range(B)),
                  SP.cache_size_needed(block.shape[1], spec))
     state = loop(bundle, cfg, spec, state)
-    accepted += int(state.accepted_hist_BxK[:, 1:].sum())
+    accepted += int(state.accepted_hist_BxC[:, 1:].sum())
     cycles += int(state.cycles_B.sum())
     for row in np.asarray(SP.generated(state, n)).tolist():
       counts[tuple(row)] = counts.get(tuple(row), 0) + 1

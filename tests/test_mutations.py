@@ -24,7 +24,8 @@ def apply_mutation(monkeypatch, module, old: str, new: str):
   assert source.count(old) == 1, f'{module.__name__} no longer contains {old!r}: update the mutant'
   mutant = types.ModuleType(module.__name__)
   mutant.__file__ = module.__file__
-  exec(compile(source.replace(old, new), module.__file__, 'exec'), mutant.__dict__)  # pylint: disable=exec-used
+  code = compile(source.replace(old, new), module.__file__, 'exec')
+  exec(code, mutant.__dict__)  # pylint: disable=exec-used
   for name, obj in vars(mutant).items():
     if inspect.isfunction(obj) and obj.__module__ == module.__name__:
       monkeypatch.setattr(module, name, obj)
@@ -40,8 +41,9 @@ MUTATIONS = {
         SP, 'cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)',
         'cache = v.cache', 'oracle_tree'),
     'drafter contexts not extended': (
-        SP, '''    draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
-                                          state.cache_len_B)''', '    pass', 'oracle_tree'),
+        SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats,',
+        'draft_caches = draft_caches or (params, settings, draft_caches, path_feats,',
+        'oracle_tree'),
     # EOS honoured only when it is the bonus token, not inside the accepted drafts.
     'ignore EOS inside a cycle': (
         SP, 'is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)',

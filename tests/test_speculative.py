@@ -30,7 +30,7 @@ def test_pld_greedy_equals_ar(tiny, gamma):
                          method='pld', gamma=gamma)
   ar, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar
-  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0  # drafts were accepted along the way
+  assert int(state.accepted_hist_BxC[:, 1:].sum()) > 0  # drafts were accepted along the way
 
 
 def test_tiny_target_is_not_degenerate(tiny):
@@ -90,7 +90,7 @@ def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   spec = SP.SpecSettings(gen, method=method, gamma=5)
   ar2, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar == ar2
-  hist = np.asarray(state.accepted_hist_BxK)
+  hist = np.asarray(state.accepted_hist_BxC)
   if corrupt:  # nothing accepted: one token per cycle, tau = 1
     assert hist[:, 1:].sum() == 0 and (state.cycles_B == 24).all()
   else:  # every draft accepted: gamma tokens per cycle (the last cycle is cut by the limit)
@@ -152,7 +152,7 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
   for b, case in enumerate(cases):
     n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 32)
     assert out[b, :n].tolist() == case['greedy_ids'][:n], case['prompt']
-  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0
+  assert int(state.accepted_hist_BxC[:, 1:].sum()) > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,4 +313,4 @@ def test_d2sd_on_smollm2_with_shipped_drafters_equals_reference_greedy(smollm2, 
   for b, case in enumerate(cases):
     n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 24)
     assert out[b, :min(n, 24)].tolist() == case['greedy_ids'][:min(n, 24)], case['prompt']
-  assert int(state.accepted_hist_BxK[:, 1:].sum()) > 0  # the drafters' tokens were accepted
+  assert int(state.accepted_hist_BxC[:, 1:].sum()) > 0  # the drafters' tokens were accepted
