@@ -54,12 +54,14 @@ class Options:
 
 
 def methods() -> tuple[str, ...]:
-  """'ar' and every drafting method registered now (drafting.register may add one any time)."""
-  return ('ar',) + tuple(drafting.REGISTRY)
+  """'ar', 'auto' (d2sd_jax/autoconfig.py) and every drafting method registered now
+  (drafting.register may add one any time)."""
+  return ('ar', 'auto') + tuple(drafting.REGISTRY)
 
 
 def drafters_needed(method: str) -> tuple[str, ...]:
-  return () if method == 'ar' else drafting.get(method).drafters
+  """Drafters a method cannot run without ('auto' weighs whichever are at hand)."""
+  return () if method in ('ar', 'auto') else drafting.get(method).drafters
 
 
 def generation_settings(options: Options, eos_ids=(), pad_id: int = 0) -> G.GenerationSettings:
@@ -335,9 +337,13 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   prompt_ids = [tok.encode_prompt(p, options.chat) for p in prompts]
   longest = max(len(p) for p in prompt_ids)
   limit = cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  batch = options.batch_size or min(len(prompts), AUTO_BATCH)
+  auto_stats = {}
+  if options.method == 'auto':
+    from d2sd_jax import autoconfig  # pylint: disable=import-outside-toplevel
+    options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok)
   settings = generation_settings(options, tok.eos_ids, tok.pad_id)
   spec = spec_fields(options, drafters)
-  batch = options.batch_size or min(len(prompts), AUTO_BATCH)
   # A runner's decode loop compiles for one batch shape: the batch is part of the key.
   key = (options.method, settings, _round_up(longest, PROMPT_BUCKET), limit, batch,
          tuple(sorted(spec.items())))
@@ -369,6 +375,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
                  accepted_histogram=[int(h) for h in st['hist']])
     if options.stage_times:  # three more programs to compile: only on request
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
+  stats.update(auto_stats)
   return completions, stats
 
 
@@ -385,7 +392,9 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
         target.params, sharding.target_shardings(mesh, target.params)))
   tokenizer_of(target)
   drafters = {}
-  for name in drafters_needed(options.method):
+  wanted = ([n for n in DRAFTERS if config.get(n)] if options.method == 'auto' else
+            drafters_needed(options.method))
+  for name in wanted:
     dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
     if split:
       dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))

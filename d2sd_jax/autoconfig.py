@@ -1,0 +1,76 @@
+"""method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
+
+For each candidate (AR; prompt lookup; and, with the drafters at hand, drafter 1 alone and D²SD
+with K = 1, 2, 4), the prediction is throughput.tokens_per_s(E[τ], t_cycle):
+  t_cycle from the cost model measured on this machine (costmodel.measure: cached on disk, so
+          only the first run on a machine pays for it);
+  E[τ]    from a probe: the candidate decodes the first prompt for a few dozen tokens and its
+          acceptance histogram gives E[τ] (throughput.tau_from_histogram). Acceptance depends on
+          the prompts (prompt lookup thrives where the answer repeats the prompt), so it is
+          measured on the request itself rather than stored.
+The stats report the choice (`auto_choice`), its prediction (`predicted_tokens_per_s`) and every
+candidate's figures (`auto_candidates`); the decode's own `decode_tokens_per_s` is measured as for
+any method.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from d2sd_jax import costmodel
+from d2sd_jax import speculative as SP
+from d2sd_jax import throughput
+
+PROBE_TOKENS = 48
+
+
+def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
+  """(label, method, spec knobs) of every configuration auto-config weighs."""
+  gamma = drafters['drafter1'][0].gamma if 'drafter1' in drafters else 8
+  out = [('ar', 'ar', {}), (f'pld(gamma={gamma})', 'pld', {'gamma': gamma})]
+  if 'drafter1' in drafters:
+    out.append(('dflash', 'dflash', {'gamma': gamma}))
+    if 'drafter2' in drafters:
+      for K in (1, 2, 4):
+        if K <= gamma - 1:
+          out.append((f'd2sd(K={K})', 'd2sd', {'gamma': gamma, 'n_branches': K}))
+  return out
+
+
+def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
+           log=print):
+  """(the Options to decode with, auto stats) for an Options whose method is 'auto'."""
+  from d2sd_jax import decoding  # pylint: disable=import-outside-toplevel (decoding imports us)
+  settings = decoding.generation_settings(options, tok.eos_ids, tok.pad_id)
+  longest = max(len(p) for p in prompt_ids)
+  limit = decoding.cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  params = {'target': target.params, **{n: p for n, (_, p) in drafters.items()}}
+  probe_settings = dataclasses.replace(settings,
+                                       max_new_tokens=min(PROBE_TOKENS, options.max_new_tokens))
+  specs, cands = {}, candidates(drafters)
+  for label, method, knobs in cands:
+    if method != 'ar':
+      cfgs = {n: drafters[n][0] for n in decoding.drafters_needed(method)}
+      specs[label] = SP.SpecSettings(settings, method=method, **knobs, **cfgs)
+  context = decoding._round_up(longest, decoding.PROMPT_BUCKET)  # pylint: disable=protected-access
+  costs = costmodel.measure(params, target.cfg, list(specs.values()), batch=batch,
+                            context=context, log=log)
+  table = {}
+  for label, method, knobs in cands:
+    if method == 'ar':
+      tau, cycle_s = 1.0, costs.ar_step
+    else:
+      runner = decoding.make_runner(target, probe_settings, method, len(prompt_ids[0]), limit,
+                                    drafters, **knobs)
+      _, st = decoding.decode_prompts(runner, tok, prompt_ids[:1], 1, options.seed)
+      tau = throughput.tau_from_histogram(st['hist']) if st['cycles'] else 1.0
+      cycle_s = costs.cycle(specs[label])
+    table[label] = {'method': method, 'spec': knobs, 'tau': round(tau, 3),
+                    'cycle_ms': round(1e3 * cycle_s, 3),
+                    'predicted_tokens_per_s': round(throughput.tokens_per_s(tau, cycle_s, batch),
+                                                    2)}
+  best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+  chosen = dataclasses.replace(options, method=table[best]['method'],
+                               spec={**options.spec, **table[best]['spec']})
+  return chosen, {'auto_choice': best,
+                  'predicted_tokens_per_s': table[best]['predicted_tokens_per_s'],
+                  'auto_candidates': table, 'cost_device': costs.device}
