@@ -39,6 +39,7 @@ from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import generate as G
 from d2sd_jax import model as model_lib
 from d2sd_jax import speculative as SP
+from d2sd_jax import throughput
 from d2sd_jax import tree as tree_lib
 
 
@@ -325,6 +326,9 @@ def main():
   p.add_argument('--target', default='qwen3-8b', choices=sorted(TARGETS))
   p.add_argument('--batch', type=int, default=1)
   p.add_argument('--context', type=int, default=1024)
+  p.add_argument('--tau', default='dflash=5.31,d2sd=7.05',
+                 help='method=tau pairs: predicted speed-up over AR at these acceptance lengths '
+                      '(default: the D2SD paper\'s Qwen3-8B means at T = 0)')
   args = parser.parse_args()
   if args.cmd == 'measure':
     from d2sd_jax import checkpoints as ckpt  # pylint: disable=import-outside-toplevel
@@ -340,10 +344,20 @@ def main():
     tcfg = TARGETS[args.target]
     gen = G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
     d = paper_drafter(tcfg)
-    costs = predict(tcfg, CHIPS[args.chip], [
-        SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d),
-        SP.SpecSettings(gen, method='d2sd', gamma=16, drafter1=d, drafter2=d, n_branches=4)],
-        args.batch, args.context)
+    specs = {'dflash': SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d),
+             'd2sd': SP.SpecSettings(gen, method='d2sd', gamma=16, drafter1=d, drafter2=d,
+                                     n_branches=4)}
+    costs = predict(tcfg, CHIPS[args.chip], list(specs.values()), args.batch, args.context,
+                    sizes=sorted({1, 16, 32, 64} | {s.tree_size for s in specs.values()}))
+    print(table(costs))
+    for pair in filter(None, args.tau.split(',')):
+      method, tau = pair.split('=')
+      spec = specs[method]
+      cycle = costs.cycle(spec)
+      print(f'  {method}: tau {float(tau):.2f} over a {spec.tree_size}-node cycle of '
+            f'{1e3 * cycle:.3f} ms -> predicted speed-up over AR '
+            f'{throughput.tokens_per_s(float(tau), cycle) * costs.ar_step:.2f}x')
+    return
   print(table(costs))
 
 
