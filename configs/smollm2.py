@@ -14,7 +14,8 @@ def get_config():
   c.dtype = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
   # Decoding method: 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
   # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2),
-  # 'd2sd_pld' (d2sd + prompt lookup's proposal as one more branch), or any method added with
+  # 'd2sd_pld' (d2sd + prompt lookup's proposal as one more branch), 'auto' (the highest
+  # predicted tokens/s on this machine: d2sd_jax/autoconfig.py), or any method added with
   # d2sd_jax.drafting.register.
   c.method = 'd2sd'  # (needs the drafters below; method='ar' and 'pld' need none)
   c.drafter1 = 'drafters/smollm2-drafter1'  # drafter 1: a train.py workdir or an exported drafter
