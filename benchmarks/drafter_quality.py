@@ -106,6 +106,8 @@ def main():
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   parser.add_argument('--drafter2', default='drafters/smollm2-drafter2')
+  parser.add_argument('--plot', default='', help='write drafter 1\'s reliability diagram here '
+                      '(PNG), raw and with the stored temperature')
   args = parser.parse_args()
 
   target = loaders.load_target('smollm2', 'float32')
@@ -144,6 +146,11 @@ def main():
            'reliability_raw': calibration.reliability(raw),
            'reliability_calibrated': calibration.reliability(fitted)}
   print(json.dumps({'drafter1_calibration': calib}))
+  if args.plot:
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    calibration.reliability_plot(
+        {'raw': raw, f'temperature {t_fit}': fitted}, args.plot,
+        f'drafter 1 on {len(seqs)} HumanEval {"chat" if args.chat else "plain"} prompts')
 
   rows = []
   for l in range(G - 1):

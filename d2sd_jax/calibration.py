@@ -52,3 +52,31 @@ def fit_temperature(stats_Tx3xK, temperatures=TEMPERATURES) -> tuple[float, floa
   eces = [ece(s) for s in np.asarray(stats_Tx3xK)]
   best = int(np.argmin(eces))
   return float(temperatures[best]), eces[best], eces[list(temperatures).index(1.0)]
+
+
+def reliability_plot(curves: dict, path: str, title: str = '') -> str:
+  """A reliability diagram (matplotlib, written to `path`): for each label -> bin stats [3, K],
+  accuracy against mean confidence per non-empty bin, sized by count, with the diagonal and the
+  ECE in the legend."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(4.5, 4.5))
+  ax.plot([0, 1], [0, 1], color='gray', lw=1, ls='--', label='perfect calibration')
+  for label, stats in curves.items():
+    rows = reliability(stats)
+    conf = [r['confidence'] for r in rows]
+    acc = [r['accuracy'] for r in rows]
+    total = sum(r['count'] for r in rows)
+    ax.plot(conf, acc, marker='o', label=f'{label} (ECE {ece(stats):.3f})')
+    ax.scatter(conf, acc, s=[400 * r['count'] / total for r in rows], alpha=0.25)
+  ax.set_xlabel('confidence c_k (max softmax)')
+  ax.set_ylabel('P(draft k correct | drafts < k correct)')
+  ax.set_xlim(0, 1)
+  ax.set_ylim(0, 1)
+  ax.set_title(title)
+  ax.legend(loc='upper left', fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

@@ -35,3 +35,10 @@ def test_fitting_a_temperature_fixes_overconfidence():
   stats = C.bin_stats(logits, correct, jnp.ones(n))
   temperature, after, before = C.fit_temperature(stats)
   assert temperature > 1.0 and after < before and after < 0.05
+
+
+def test_reliability_plot_writes_a_png(tmp_path):
+  stats = np.array([[10, 0, 5], [1.5, 0, 4.5], [2, 0, 4]], np.float64)  # count, conf sum, correct
+  path = C.reliability_plot({'raw': stats}, str(tmp_path / 'r.png'), 'test')
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
