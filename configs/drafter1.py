@@ -48,6 +48,10 @@ def get_config():
   c.loss.decay = 4.0  # drafter 1: position weights exp(-(k-1)/decay)
   c.loss.beta = 0.8  # drafter 2: prefix-length prior P(l=j) ∝ beta^j
   c.loss.tau = 4.0  # drafter 2: weights exp(-(k-l-1)/tau)
+  # Fraction of blocks partly unmasked (a ratio t ~ U(0,1) of the positions after the prefix
+  # shown, no loss on them), so multi-step denoising (spec.steps > 1) has learnt what its later
+  # passes see; 0 = every block fully masked after its prefix, as the shipped drafters trained.
+  c.loss.reveal = 0.0
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # data-parallel axis size (-1: all devices not used by mesh.model)

@@ -25,7 +25,7 @@ TRAIN_FIELDS = {
     'data': {'source', 'path', 'tfds_dir', 'seq_len', 'eval_fraction', 'features_dir'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
               'seed', 'precompute_features'},
-    'loss': {'decay', 'beta', 'tau'},
+    'loss': {'decay', 'beta', 'tau', 'reveal'},
     'mesh': {'data', 'model'}, 'distributed': None,
     'log_every': None, 'eval_every': None, 'save_every': None, 'keep': None,
     'progress_bar': None,

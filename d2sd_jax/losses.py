@@ -18,6 +18,20 @@ from d2sd_jax import calibration
 from d2sd_jax import drafter as drafter_lib
 
 
+def random_reveal(key, shape_BxAxG, prefix_len_BxA, fraction: float):
+  """Masked-diffusion inputs for multi-step denoising: a `fraction` of the blocks get a ratio
+  t ~ U(0, 1) and show each position after their prefix with probability t (the drafter then
+  learns to fill a partly unmasked block, as its later denoising passes see one); the last
+  position stays masked so every block keeps a label."""
+  k_block, k_ratio, k_pos = jax.random.split(key, 3)
+  B, A, G = shape_BxAxG
+  partial_BxA = jax.random.uniform(k_block, (B, A)) < fraction
+  ratio_BxA = jax.random.uniform(k_ratio, (B, A))
+  shown = jax.random.uniform(k_pos, (B, A, G)) < ratio_BxA[..., None]
+  after_prefix = jnp.arange(G) > prefix_len_BxA[..., None]
+  return shown & after_prefix & partial_BxA[..., None] & (jnp.arange(G) < G - 1)
+
+
 def vp_prefix_prior(gamma: int, beta: float) -> jax.Array:
   """P(l = j) ∝ beta^j for j = 0..gamma-2 (a truncated geometric)."""
   w = beta ** jnp.arange(gamma - 1, dtype=jnp.float32)
@@ -32,14 +46,18 @@ def vp_weights(prefix_len_N: jax.Array, gamma: int, tau: float) -> jax.Array:
   return w / jnp.sum(w, axis=1, keepdims=True)
 
 
-def block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, gamma: int):
-  """Block tokens/masks/positions [B, A*G] and labels [B, A*G] for anchors with given prefixes."""
+def block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, gamma: int, reveal_BxAxG=None):
+  """Block tokens/masks/positions [B, A*G] and labels [B, A*G] for anchors with given prefixes
+  (reveal: positions after the prefix shown unmasked as well, carrying no loss)."""
   B, L = seq_BxL.shape
   A = anchors_BxA.shape[1]
   k = jnp.arange(gamma)
   pos_BxAxG = anchors_BxA[..., None] + k  # sequence positions of the block
   tokens = jnp.take_along_axis(seq_BxL, jnp.clip(pos_BxAxG, 0, L - 1).reshape(B, -1), 1)
-  is_mask = (k > prefix_len_BxA[..., None]).reshape(B, A * gamma)
+  is_mask_BxAxG = k > prefix_len_BxA[..., None]
+  if reveal_BxAxG is not None:
+    is_mask_BxAxG = is_mask_BxAxG & ~reveal_BxAxG
+  is_mask = is_mask_BxAxG.reshape(B, A * gamma)
   in_range = (pos_BxAxG < L).reshape(B, A * gamma)
   return tokens, is_mask, pos_BxAxG.reshape(B, A * gamma), in_range
 
@@ -60,14 +78,15 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
 
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
                  features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG,
-                 calibrate: bool = False):
+                 calibrate: bool = False, reveal_BxAxG=None):
   """Weighted cross-entropy at masked block positions whose label is a target output.
 
   Returns (loss, metrics): metrics['acc_by_pos'] [G] is the top-1 agreement with the labels per
   block position, ['count_by_pos'] how many labels it averaged."""
   B, L = seq_BxL.shape
   A, G = anchors_BxA.shape[1], dcfg.gamma
-  tokens, is_mask, positions, in_range = block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, G)
+  tokens, is_mask, positions, in_range = block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, G,
+                                                      reveal_BxAxG)
   # With a head_vocab subset the logits cover the head's tokens only; labels outside it count
   # as misses (the drafter cannot propose them) and carry no loss.
   logits = block_logits(dparams, dcfg, tparams, tcfg, features_BxLxF, tokens, is_mask, positions,

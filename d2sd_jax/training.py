@@ -67,6 +67,9 @@ def validate(config) -> None:
     raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
   if config.loss.tau <= 0 or config.loss.decay <= 0:
     raise ValueError('loss.tau and loss.decay must be > 0')
+  if not 0.0 <= config.loss.get('reveal', 0.0) <= 1.0:
+    raise ValueError(f'loss.reveal={config.loss.reveal} must be in [0, 1] (the fraction of blocks '
+                     'partly unmasked)')
   if not 0.0 <= config.data.eval_fraction < 1.0:
     raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
   for name in ('log_every', 'save_every'):
@@ -104,7 +107,11 @@ def sample_blocks(key, label_mask_BxL, config, gamma: int):
     prior = losses.vp_prefix_prior(gamma, config.loss.beta)
     prefix = jax.random.choice(k_prefix, gamma - 1, (B, A), p=prior).astype(jnp.int32)
     weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau).reshape(B, A, gamma)
-  return anchors.astype(jnp.int32), prefix, weights
+  reveal = None
+  if config.loss.get('reveal', 0.0) > 0:  # partly unmasked blocks (multi-step denoising)
+    reveal = losses.random_reveal(jax.random.fold_in(key, 7), (B, A, gamma), prefix,
+                                  config.loss.reveal)
+  return anchors.astype(jnp.int32), prefix, weights, reveal
 
 
 def target_features(tparams, tcfg, dcfg, tokens_BxL):
@@ -125,9 +132,9 @@ def make_train_step(config, tcfg, dcfg, opt):
     if feats is None:
       feats = target_features(tparams, tcfg, dcfg, tokens)
     feats = jax.lax.stop_gradient(feats.astype(jnp.float32))
-    anchors, prefix, weights = sample_blocks(key, label_mask, config, dcfg.gamma)
+    anchors, prefix, weights, reveal = sample_blocks(key, label_mask, config, dcfg.gamma)
     return losses.drafter_loss({**trainable, **fixed}, dcfg, tparams, tcfg, tokens, feats,
-                               label_mask, anchors, prefix, weights, calibrate)
+                               label_mask, anchors, prefix, weights, calibrate, reveal)
 
   def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None):
     trainable, fixed = drafter_lib.split_fixed(dparams)

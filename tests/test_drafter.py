@@ -202,3 +202,30 @@ def test_head_vocab_subset(setup):
   assert np.all(np.isfinite(np.asarray(m['loss'])))
   with pytest.raises(ValueError, match='head_vocab=999 exceeds'):
     D.DrafterConfig(**{**DCFG.__dict__, 'head_vocab': 999}).check_target(tcfg)
+
+
+def test_random_reveal_shows_only_positions_after_the_prefix(setup):
+  """Revealed positions: after the prefix, never the block's last one, only in the chosen
+  fraction of blocks, with ratios spread over (0, 1); the loss ignores them."""
+  tcfg, tparams, dparams, seq, feats = setup
+  B, A, G = 64, 16, DCFG.gamma
+  prefix = jax.random.randint(jax.random.PRNGKey(3), (B, A), 0, G - 1)
+  reveal = np.asarray(losses.random_reveal(jax.random.PRNGKey(4), (B, A, G), prefix, 0.5))
+  k = np.arange(G)
+  assert not (reveal & (k <= np.asarray(prefix)[..., None])).any()
+  assert not reveal[..., -1].any()
+  partial = reveal.any(-1)
+  assert 0.05 < partial.mean() < 0.5  # some, and at most the chosen half of the blocks
+  assert not losses.random_reveal(jax.random.PRNGKey(4), (B, A, G), prefix, 0.0).any()
+  # Revealed positions are inputs, not labels: their tokens pass through and carry no loss.
+  anchors = jnp.asarray([[3, 7, 1], [9, 2, 5]])
+  pre = jnp.zeros((2, 3), jnp.int32)
+  shown = jnp.zeros((2, 3, G), bool).at[:, :, 1].set(True)
+  _, is_mask, _, _ = losses.block_inputs(seq, anchors, pre, G, shown)
+  assert not np.asarray(is_mask).reshape(2, 3, G)[:, :, 1].any()
+  w = jnp.broadcast_to(losses.vp_weights(jnp.zeros(1, jnp.int32), G, 3.0), (2, 3, G))
+  _, m_all = losses.drafter_loss(dparams, DCFG, tparams, tcfg, seq, feats,
+                                 jnp.ones(seq.shape, bool), anchors, pre, w)
+  _, m_shown = losses.drafter_loss(dparams, DCFG, tparams, tcfg, seq, feats,
+                                   jnp.ones(seq.shape, bool), anchors, pre, w, reveal_BxAxG=shown)
+  assert int(m_shown['count_by_pos'][1]) == 0 and int(m_all['count_by_pos'][1]) == 6
