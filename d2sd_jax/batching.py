@@ -40,6 +40,9 @@ class BatchSettings:
   batch_size: int
   cache_size: int  # per row: the longest prompt + max_new_tokens must fit
   prompt_bucket: int = 32  # prefill widths are multiples of this (fewer programs to compile)
+  # The tail shrinks the batch down to this many rows, no further: a step of a few rows costs
+  # about one weight read whatever their number, and each batch size compiles its own loop.
+  min_tail_batch: int = 4
 
   def __post_init__(self):
     if self.batch_size < 1:
@@ -107,8 +110,9 @@ class Engine:
     self.params, self.cfg, self.st = params, cfg, st
     self.compile_s = 0.0
     self._programs = {}
+    # busy_s / busy_tokens: time and tokens until the last prompt took a row (every row busy).
     self.stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'loop_calls': 0,
-                  'tail_shrinks': 0}
+                  'tail_shrinks': 0, 'busy_s': 0.0, 'busy_tokens': 0}
 
   def _program(self, fn, state, *args, donate: bool = True):
     """fn(params, cfg, settings, state, *args) compiled for these shapes (the state donated
@@ -147,16 +151,18 @@ class Engine:
     prompt_of_row = [-1] * batch_size  # the prompt each row holds (-1: free)
     queued = 0  # prompts 0..queued-1 have been given a row
     state = empty_state(self.cfg, dataclasses.replace(self.st, batch_size=batch_size))
+    t0, compile0, busy = time.perf_counter(), self.compile_s, True
     while queued < len(prompts) or max(prompt_of_row) >= 0:
       for row, held in enumerate(prompt_of_row):  # every free row takes the next prompt
         if held < 0 and queued < len(prompts):
           state = self._prefill_into(state, row, prompts[queued], keys[queued])
           prompt_of_row[row], queued = queued, queued + 1
       live = [r for r, i in enumerate(prompt_of_row) if i >= 0]
-      if queued == len(prompts) and len(live) <= len(prompt_of_row) // 2:
+      if (queued == len(prompts) and len(live) <= len(prompt_of_row) // 2 and
+          len(prompt_of_row) // 2 >= self.st.min_tail_batch):
         # The tail: no prompt left to refill with, so halve the batch while the rows fit.
         B = len(prompt_of_row)
-        while B > 1 and len(live) <= B // 2:
+        while B // 2 >= self.st.min_tail_batch and len(live) <= B // 2:
           B //= 2
         rows = np.asarray(live + [r for r, i in enumerate(prompt_of_row) if i < 0][:B - len(live)],
                           np.int32)
@@ -173,6 +179,12 @@ class Engine:
         self.stats['loop_calls'] += 1
         done_B = np.asarray(state.done_B)
       out_BxN, num_out_B = jax.device_get((state.out_BxN, state.num_out_B))
+      if busy and queued == len(prompts):  # every row was busy until now: a long run's rate
+        busy = False
+        self.stats['busy_s'] += time.perf_counter() - t0 - (self.compile_s - compile0)
+        self.stats['busy_tokens'] += (sum(len(r) for r in results if r is not None) +
+                                      int(sum(num_out_B[r] for r, i in enumerate(prompt_of_row)
+                                              if i >= 0)))
       for row, i in enumerate(prompt_of_row):
         if i >= 0 and done_B[row]:
           results[i] = out_BxN[row, :num_out_B[row]].tolist()
@@ -228,8 +240,9 @@ class Generator:
     return sum(e.compile_s for e in self.engines.values())
 
   def stats(self) -> dict:
-    """Summed over engines: prefill_s, decode_s, decode_steps, loop_calls."""
-    keys = ('prefill_s', 'decode_s', 'decode_steps', 'loop_calls', 'tail_shrinks')
+    """Summed over engines (Engine.stats)."""
+    keys = ('prefill_s', 'decode_s', 'decode_steps', 'loop_calls', 'tail_shrinks', 'busy_s',
+            'busy_tokens')
     out = {k: sum(e.stats[k] for e in self.engines.values()) for k in keys}
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
 
