@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from d2sd_jax import model as model_lib
+from d2sd_jax import sampling as sampling_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,8 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
             head_only: bool = False):
   """Logits [B, Q, V] (float32) for Q block positions (one or several blocks side by side).
   With a head_vocab subset they are -inf outside it; head_only=True returns [B, Q, N], the
-  logits of the head's N tokens only (training: no vocabulary-sized tensors).
+  logits of the head's N tokens only (training and denoising: no vocabulary-sized tensors;
+  without a subset N = V).
 
   ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
   block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
@@ -218,15 +220,28 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   probs_out = jax.nn.one_hot(tokens_BxQ, V, dtype=jnp.float32)
   conf_out = jnp.ones((B, Q), jnp.float32)
   per_step = -(-jnp.sum(is_mask_BxQ.reshape(B, nb, G), axis=2) // steps)  # [B, nb], ceil
+  # Work on the head's N tokens only (N = V without a head subset): every other token has
+  # probability 0, and vocabulary-wide passes over [B, Q, V] cost the drafter more than its
+  # layers. The full distribution is built only where a caller reads it (dflash_resample).
+  head_ids = dparams.get('head_ids') if dparams is not None else None
+  if forbid_BxQ is not None:
+    forbid_BxQ = jnp.where(forbid_BxQ >= 0, head_index(dparams, forbid_BxQ, V), -1)
   tokens, is_mask = tokens_BxQ, is_mask_BxQ
   for _ in range(steps):
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
-                     ctx_mask_BxS, block_mask)
+                     ctx_mask_BxS, block_mask, head_only=True)  # [B, Q, N]
+    N = logits.shape[-1]
     if forbid_BxQ is not None:
-      logits = jnp.where(jnp.arange(V) == forbid_BxQ[..., None], -jnp.inf, logits)
+      logits = jnp.where(jnp.arange(N) == forbid_BxQ[..., None], -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
-    conf = jnp.max(jax.nn.softmax(logits / dcfg.confidence_temperature, axis=-1), axis=-1)
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if head_ids is not None:
+      probs = jnp.zeros((B, Q, V), jnp.float32).at[:, :, head_ids].set(probs)
+    # max softmax(logits / T) = 1 / sum exp((logits - max) / T)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    conf = 1.0 / jnp.sum(jnp.exp((logits - top) / dcfg.confidence_temperature), axis=-1)
+    pred = sampling_lib.argmax(logits)
+    if head_ids is not None:
+      pred = head_ids[pred]
     if steps == 1:
       pick = is_mask
     else:

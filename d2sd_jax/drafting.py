@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import sampling as sampling_lib
 from d2sd_jax import tree as tree_lib
 
 
@@ -178,8 +179,9 @@ def dflash_resample(params, cfg, settings, state) -> tree_lib.Tree:
                           law_BxKxGxV / jnp.maximum(mass_BxKxG, 1e-20)[..., None],
                           jax.nn.one_hot(chain_BxG[:, None], V))  # never drawn from or tried
   draft_key_B, _ = state.cycle_keys
-  drawn_BxKxG = jax.vmap(lambda key, law: jax.random.categorical(key, jnp.log(law)))(
-      draft_key_B, law_BxKxGxV)
+  # One uniform per position, inverted through the law (no vocabulary-wide Gumbel noise).
+  drawn_BxKxG = jax.vmap(lambda key, law: sampling_lib.draw(
+      jax.random.uniform(key, law.shape[:-1]), jnp.log(law)))(draft_key_B, law_BxKxGxV)
   branch_BxKxG = jnp.where(keep_BxKxG, prefix_BxKxG, drawn_BxKxG).astype(jnp.int32)
   return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size,
                    branch_laws_BxKxGxV=law_BxKxGxV, branch_valid_BxK=usable_BxK)

@@ -39,20 +39,17 @@ def chain(anchor_B: jax.Array, draft_BxN: jax.Array, valid_BxN: jax.Array) -> Tr
 
 
 def structure(tree: Tree):
-  """(ancestor-or-self mask [B, T, T], depth [B, T]); invalid nodes keep only themselves."""
+  """(ancestor-or-self mask [B, T, T], depth [B, T]) from the parent links.
+
+  The relation {self, parent} is squared until it spans the deepest path (log2 T batched
+  [T, T] products): a loop over the nodes costs a while-loop iteration per node."""
   B, T = tree.tokens_BxT.shape
-  rows = jnp.arange(B)
-
-  def add_node(i, carry):
-    anc, depth = carry
-    p = tree.parents_BxT[:, i]
-    anc = anc.at[:, i].set(anc[rows, p] | (jnp.arange(T) == i)[None])
-    depth = depth.at[:, i].set(depth[rows, p] + 1)
-    return anc, depth
-
-  anc0 = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
-  anc, depth = jax.lax.fori_loop(1, T, add_node, (anc0, jnp.zeros((B, T), jnp.int32)))
-  return anc, depth
+  eye = jnp.eye(T, dtype=bool)
+  reach_BxTxT = eye | (tree.parents_BxT[:, :, None] == jnp.arange(T)[None, None, :])
+  for _ in range(max(T - 2, 0).bit_length()):  # 2^s levels after s squarings; depth <= T-1
+    hops = reach_BxTxT.astype(jnp.float32)
+    reach_BxTxT = jnp.einsum('bij,bjk->bik', hops, hops) > 0
+  return reach_BxTxT, jnp.sum(reach_BxTxT, axis=-1, dtype=jnp.int32) - 1
 
 
 def reachable(tree: Tree) -> jax.Array:
@@ -139,19 +136,28 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
   Returns the same tuple as `accept_point_mass`.
   """
   B, T = tree.tokens_BxT.shape
-  p_BxTxV = sampling_lib.probs(target_logits_BxTxV, settings)
-  V = p_BxTxV.shape[-1]
-  # Point-mass siblings repeating an earlier token could never be accepted; skip them.
-  candidate = (reachable(tree) if q_BxTxV is None else tree.valid_BxT) & (jnp.arange(T) > 0)
   keys = node_keys(rng_B, T)  # per node, + the bonus draw
   u_BxT = jax.vmap(jax.vmap(jax.random.uniform))(keys[:, :T])
+  u_bonus_B = jax.vmap(jax.random.uniform)(keys[:, T])
+  if q_BxTxV is None:
+    node = _walk_point_masses(tree, target_logits_BxTxV, settings, u_BxT, leniency)
+    # The residual at the last node: p there without its children's tokens (all were tried
+    # and rejected: a child of a node has a higher index, and the walk tries every one).
+    tried_BxT = reachable(tree) & (tree.parents_BxT == node[:, None]) & (jnp.arange(T) > 0)
+    logits_node_BxV = jnp.take_along_axis(target_logits_BxTxV, node[:, None, None], 1)[:, 0]
+    bonus = sampling_lib.sample_uniform(u_bonus_B, logits_node_BxV, settings,
+                                        jnp.where(tried_BxT, tree.tokens_BxT, -1))
+    return (node, jnp.take_along_axis(depth_BxT, node[:, None], 1)[:, 0], bonus,
+            path_to(node, anc_BxTxT, depth_BxT))
+  p_BxTxV = sampling_lib.probs(target_logits_BxTxV, settings)
+  candidate = tree.valid_BxT & (jnp.arange(T) > 0)
   rows = jnp.arange(B)
 
   def visit(j, carry):
     node, r_BxV = carry
     x = tree.tokens_BxT[:, j]
     try_it = candidate[:, j] & (tree.parents_BxT[:, j] == node)
-    q_BxV = jax.nn.one_hot(x, V, dtype=jnp.float32) if q_BxTxV is None else q_BxTxV[:, j]
+    q_BxV = q_BxTxV[:, j]
     t_BxV = (1.0 - leniency) * r_BxV + leniency * q_BxV
     ratio = t_BxV[rows, x] / jnp.maximum(q_BxV[rows, x], 1e-30)
     accept = try_it & (u_BxT[:, j] < jnp.minimum(1.0, ratio))
@@ -166,8 +172,36 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
     return jnp.where(accept, j, node), r_BxV
 
   node, r_BxV = jax.lax.fori_loop(1, T, visit, (jnp.zeros((B,), jnp.int32), p_BxTxV[:, 0]))
-  bonus = jax.vmap(lambda k, r: jax.random.categorical(k, jnp.log(r)))(keys[:, T], r_BxV)
+  bonus = sampling_lib.draw(u_bonus_B, jnp.log(r_BxV))
   if settings.greedy and leniency == 0.0:
-    bonus = jnp.argmax(r_BxV, -1)
+    bonus = sampling_lib.argmax(r_BxV)
   return (node, jnp.take_along_axis(depth_BxT, node[:, None], 1)[:, 0], bonus.astype(jnp.int32),
           path_to(node, anc_BxTxT, depth_BxT))
+
+
+def _walk_point_masses(tree: Tree, target_logits_BxTxV, settings, u_BxT, leniency: float):
+  """accept_recursive's walk when every draft is a point mass: the residual at a node is p
+  there without the tokens of its rejected children, so the walk keeps, per row, only the mass
+  those took (`gone`) and each child's p(x) at its parent ([B, T] scalars, no [B, T, V] law):
+  child x is accepted with λ + (1-λ) p(x) / (1 - gone). Returns the last node reached [B]."""
+  B, T = tree.tokens_BxT.shape
+  # p_i(x_j) for every node i and node token x_j, then each node's own parent's.
+  p_BxTxT = sampling_lib.token_probs(
+      target_logits_BxTxV, jnp.broadcast_to(tree.tokens_BxT[:, None, :], (B, T, T)), settings)
+  p_at_parent_BxT = jnp.take_along_axis(p_BxTxT, tree.parents_BxT[:, None, :], 1)[:, 0]
+  # Point-mass siblings repeating an earlier token could never be accepted; skip them.
+  candidate = reachable(tree) & (jnp.arange(T) > 0)
+
+  def visit(j, carry):
+    node, gone = carry
+    try_it = candidate[:, j] & (tree.parents_BxT[:, j] == node)
+    left, p_x = 1.0 - gone, p_at_parent_BxT[:, j]
+    r_x = p_x / jnp.maximum(left, 1e-30)  # the residual's probability of x
+    accept = try_it & (u_BxT[:, j] < leniency + (1.0 - leniency) * r_x)
+    # Rejecting x would leave no mass (a rounding artefact: then p(x) = left): accept instead.
+    accept = accept | (try_it & (left - p_x <= 0.0))
+    gone = jnp.where(accept, 0.0, jnp.where(try_it, gone + p_x, gone))
+    return jnp.where(accept, j, node), gone
+
+  node, _ = jax.lax.fori_loop(1, T, visit, (jnp.zeros((B,), jnp.int32), jnp.zeros((B,))))
+  return node

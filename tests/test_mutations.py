@@ -65,9 +65,14 @@ MUTATIONS = {
         drafting, 'forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)',
         'forbid_BxKxG = None', 'reachable'),
     'bonus drawn from p, not the residual': (
-        tree_lib, 'jax.random.categorical(k, jnp.log(r)))(keys[:, T], r_BxV)',
-        'jax.random.categorical(k, jnp.log(r)))(keys[:, T], p_BxTxV[jnp.arange(B), node])',
+        tree_lib, 'bonus = sampling_lib.draw(u_bonus_B, jnp.log(r_BxV))',
+        'bonus = sampling_lib.draw(u_bonus_B, jnp.log(p_BxTxV[jnp.arange(B), node]))',
         'sibling_law'),
+    # The point-mass walk keeps only the mass its rejected children took; the bonus must still
+    # be drawn without their tokens.
+    'bonus keeps rejected point-mass siblings': (
+        tree_lib, 'jnp.where(tried_BxT, tree.tokens_BxT, -1))',
+        'jnp.where(tried_BxT & False, tree.tokens_BxT, -1))', 'lenient_siblings_law'),
     'sample-and-match descends into a duplicate sibling': (
         tree_lib, 'match = reachable(tree) & (tree.tokens_BxT == y_at_parent)',
         'match = tree.valid_BxT & (tree.tokens_BxT == y_at_parent)', 'duplicate_law'),
@@ -94,6 +99,8 @@ def run_check(kind, tiny, trained):
     test_acceptance.check_sibling_laws_exact()
   elif kind == 'duplicate_law':
     test_acceptance.check_sample_and_match_exact()
+  elif kind == 'lenient_siblings_law':
+    test_acceptance.test_leniency_with_two_siblings_follows_the_enumerated_law()
   else:
     raise ValueError(kind)
 

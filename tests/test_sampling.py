@@ -1,0 +1,83 @@
+"""The cheap sampler (sampling.py): argmax by blocks, top-p by bisection, one-uniform draws by
+inverse CDF over blocks, exclusions, and p(token) without the [N, V] law, against direct
+definitions."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d2sd_jax import sampling as S
+
+
+@pytest.mark.parametrize('V', [64, 300, 1000, 49152])
+def test_argmax_equals_jnp_argmax(V):
+  x = jax.random.normal(jax.random.PRNGKey(V), (4, 3, V))
+  x = (x.at[0, 0, 5].set(jnp.nan).at[1, 1].set(-jnp.inf)  # a NaN, a row of -inf,
+       .at[2, 2, V - 1].set(50.0).at[2, 2, 1].set(50.0))  # a tie: the first one wins
+  x = x.at[3].set(jnp.round(x[3]))  # many ties
+  np.testing.assert_array_equal(S.argmax(x), jnp.argmax(x, axis=-1))
+  assert S.argmax(x).dtype == jnp.int32
+
+
+def chi2_pooled(counts, p):
+  """Chi-square over cells expected >= 5 times (the rest pooled), and its degrees of freedom."""
+  n = counts.sum()
+  assert counts[p == 0].sum() == 0, 'a token of probability 0 was drawn'
+  big = n * p >= 5
+  stat = np.sum((counts[big] - n * p[big])**2 / (n * p[big]))
+  rest_obs, rest_exp = counts[~big].sum(), n * p[~big].sum()
+  if rest_exp > 0:
+    stat += (rest_obs - rest_exp)**2 / rest_exp
+  return stat, int(big.sum()) + (rest_exp > 0) - 1
+
+
+@pytest.mark.parametrize('settings', [S.SamplingSettings(temperature=0.7),
+                                      S.SamplingSettings(temperature=1.0, top_p=0.8),
+                                      S.SamplingSettings(temperature=1.3, top_k=30, top_p=0.9)])
+def test_draws_follow_probs_with_and_without_exclusions(settings):
+  """V = 1000 > 2 blocks: the block-then-inside inverse CDF; with two tokens excluded, the
+  renormalised rest (the bonus of rejected point-mass drafts)."""
+  V, n = 1000, 100000
+  logits = 2.0 * jax.random.normal(jax.random.PRNGKey(1), (V,))
+  p = np.asarray(S.probs(logits, settings), np.float64)
+  u = jax.random.uniform(jax.random.PRNGKey(2), (n,))
+  draws = jax.jit(jax.vmap(lambda u: S.sample_uniform(u, logits, settings)))(u)
+  stat, dof = chi2_pooled(np.bincount(np.asarray(draws), minlength=V), p)
+  assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+  gone = [int(np.argmax(p)), int(np.argsort(-p)[3])]
+  exclude = jnp.asarray([gone[0], -1, gone[1]])
+  draws = jax.jit(jax.vmap(lambda u: S.sample_uniform(u, logits, settings, exclude)))(u)
+  rest = p.copy()
+  rest[gone] = 0.0
+  stat, dof = chi2_pooled(np.bincount(np.asarray(draws), minlength=V), rest / rest.sum())
+  assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+
+
+@pytest.mark.parametrize('top_p', [0.3, 0.9])
+def test_nucleus_by_bisection_equals_the_sorted_definition(top_p):
+  """Top-p without top-k keeps the smallest set of top tokens whose mass reaches top_p, as a
+  float64 sort says (rows whose cut lies within float32 rounding of top_p are skipped)."""
+  z = 3.0 * jax.random.normal(jax.random.PRNGKey(3), (6, 5000))
+  kept = np.asarray(S.probs(z, S.SamplingSettings(temperature=1.0, top_p=top_p))) > 0
+  checked = 0
+  for row, zr in zip(kept, np.asarray(z, np.float64)):
+    p = np.exp(zr - zr.max())
+    p /= p.sum()
+    order = np.argsort(-zr, kind='stable')
+    mass = np.cumsum(p[order])
+    n_keep = int(np.searchsorted(mass, top_p) + 1)
+    if min(abs(mass[n_keep - 1] - top_p), abs(mass[max(n_keep - 2, 0)] - top_p)) < 1e-5:
+      continue
+    assert row.sum() == n_keep and row[order[:n_keep]].all()
+    checked += 1
+  assert checked >= 4
+
+
+@pytest.mark.parametrize('settings', [S.SamplingSettings(), S.SamplingSettings(temperature=0.8),
+                                      S.SamplingSettings(temperature=1.0, top_k=3),
+                                      S.SamplingSettings(temperature=1.0, top_p=0.7)])
+def test_token_probs_are_probs_at_the_tokens(settings):
+  logits = jax.random.normal(jax.random.PRNGKey(4), (2, 5, 40))
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 5, 7), 0, 40)
+  expected = jnp.take_along_axis(S.probs(logits, settings), tokens, axis=-1)
+  np.testing.assert_allclose(S.token_probs(logits, tokens, settings), expected, atol=1e-6)
