@@ -409,7 +409,7 @@ def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
     ar_law = window_law(cfg, params, WINDOW_PROMPT, WINDOW_SAMPLING, n)
     assert set(law) == set(ar_law)
     for k, p in ar_law.items():
-      assert abs(law[k] - p) < 1e-9
+      assert abs(law[k] - p) < 1e-6  # float32 model probabilities
   counts, accepted, cycles = sampled_windows(cfg, {'target': params}, spec, WINDOW_PROMPT,
                                              runs=8)
   stat, dof = pooled_chi2(counts, law)
