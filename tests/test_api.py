@@ -53,7 +53,7 @@ def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
   assert dec.method == 'dflash'
   with pytest.raises(ValueError, match=r"method='d2sd' needs drafter2 .*drafter2=PATH"):
     dec.generate('abc', 4, method='d2sd')
-  with pytest.raises(ValueError, match=r"method='medusa' is not one of \('ar', 'pld'"):
+  with pytest.raises(ValueError, match=r"method='medusa' is not one of \('ar', 'auto', 'pld'"):
     dec.generate('abc', 4, method='medusa')
   with pytest.raises(ValueError, match=r'gama \(did you mean gamma\?\)'):
     dec.generate('abc', 4, gama=4)
