@@ -81,7 +81,7 @@ def test_chat_template_is_applied(tiny_folder):
 @pytest.mark.parametrize('overrides,error,match', [
     ({'prompt': 'x', 'prompts_file': 'p.jsonl'}, ValueError, 'prompt .* or prompts_file .* both'),
     ({'prompts_file': '/nonexistent.jsonl'}, FileNotFoundError, 'not found'),
-    ({'method': 'magic'}, ValueError, r"method='magic' is not one of \('ar', 'pld'"),
+    ({'method': 'magic'}, ValueError, r"method='magic' is not one of \('ar', 'auto', 'pld'"),
     ({'method': 'd2sd', 'drafter1': 'x'}, ValueError, r"method='d2sd' needs drafter2"),
     ({'method': 'pld', 'spec': {'gamma': 1}}, ValueError, 'gamma'),
     ({'method': 'pld', 'spec': {'leniency': 2.0}}, ValueError, 'leniency'),
