@@ -1,6 +1,6 @@
 """Distillation throughput: the old static batches against continuous batching, in one run.
 
-  python benchmarks/distill_rate.py [--n 96] [--batch_size 32] [--old_batch_size 16]
+  python benchmarks/distill_rate.py [--n 128] [--batch_sizes 64] [--length_bounds 128,448]
 
 Both paths generate the SmolLM2 target's greedy responses (max 256 new tokens) to the same N
 distillation prompts (`distill.training_prompts`, from --offset on):
@@ -44,10 +44,10 @@ def old_path(target, settings, prompts, batch_size: int, cache_size: int):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--n', type=int, default=96, help='prompts (both paths)')
+  parser.add_argument('--n', type=int, default=128, help='prompts (both paths)')
   parser.add_argument('--offset', type=int, default=2560, help='first prompt (shard 40)')
   parser.add_argument('--max_new_tokens', type=int, default=256)
-  parser.add_argument('--batch_sizes', default='32', help='new path, one run each')
+  parser.add_argument('--batch_sizes', default='64', help='new path, one run each')
   parser.add_argument('--old_batch_size', type=int, default=16)
   parser.add_argument('--length_bounds', default='128,448', help='new path: cache classes '
                       '(bounds on prompt tokens; several sets separated by ":", one run each)')

@@ -215,7 +215,7 @@ def main():
   parser.add_argument('--max_prompts', type=int, default=4096)
   parser.add_argument('--max_new_tokens', type=int, default=256)
   parser.add_argument('--max_prompt_tokens', type=int, default=448)
-  parser.add_argument('--batch_size', type=int, default=32, help='rows decoded together')
+  parser.add_argument('--batch_size', type=int, default=64, help='rows decoded together')
   parser.add_argument('--shard_size', type=int, default=64, help='prompts per shard (keep it '
                       'when resuming: it fixes which prompts each shard holds)')
   parser.add_argument('--length_bounds', default='128', help='cache classes: prompts up to '

@@ -45,8 +45,8 @@ def test_outputs_equal_ar_alone_with_eos_and_refills(tiny):
   lengths = [len(e) for e in expected]
   # The check is only as good as its data: rows end at different times, some at the EOS.
   assert len(set(lengths)) >= 3 and 12 in lengths and min(lengths) < 12
-  engine = batching.Engine(params, cfg, batching.BatchSettings(settings, batch_size=4,
-                                                               cache_size=32, prompt_bucket=16))
+  engine = batching.Engine(params, cfg, batching.BatchSettings(
+      settings, batch_size=4, cache_size=32, prompt_bucket=16, min_tail_batch=1))
   done = []
   got = engine.generate(PROMPTS, on_done=lambda i, toks: done.append((i, toks)))
   assert got == expected
