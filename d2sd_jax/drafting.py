@@ -138,16 +138,21 @@ def _chain_and_cuts(params, cfg, settings, state):
   return chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG
 
 
-def _redrafted(params, cfg, settings, state, name: str) -> tree_lib.Tree:
-  """Drafter 1's chain + K branches re-drafted by drafter `name` from its likely rejection
-  points, argmax drafts (point masses). A branch's first re-drafted token may not be the
-  chain's token there: such a branch would repeat chain nodes, and sample-and-match could
-  never enter it although it is verified."""
+def _chain_and_redrafts(params, cfg, settings, state, name: str):
+  """Drafter 1's chain [B, G], the K cuts [B, K] and the branches [B, K, G] re-drafted by
+  drafter `name` from its likely rejection points, argmax drafts (point masses). A branch's
+  first re-drafted token may not be the chain's token there: such a branch would repeat chain
+  nodes, and sample-and-match could never enter it although it is verified."""
   chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
       params, cfg, settings, state)
   forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)
   branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, name, prefix_BxKxG, ~keep_BxKxG,
                                 forbid_BxKxG)
+  return chain_BxG, cut_BxK, branch_BxKxG
+
+
+def _redrafted(params, cfg, settings, state, name: str) -> tree_lib.Tree:
+  chain_BxG, cut_BxK, branch_BxKxG = _chain_and_redrafts(params, cfg, settings, state, name)
   return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size)
 
 
@@ -191,11 +196,8 @@ def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
   """Beyond the paper: D2SD's tree plus prompt lookup's proposal as one more branch, verified
   in the same pass. It hangs under the deepest chain node it agrees with, and is dropped where
   its first new token repeats a sibling's (chain or drafter-2 branch at the same cut)."""
-  chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
-      params, cfg, settings, state)
-  forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)
-  branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, 'drafter2', prefix_BxKxG,
-                                ~keep_BxKxG, forbid_BxKxG)
+  chain_BxG, cut_BxK, branch_BxKxG = _chain_and_redrafts(params, cfg, settings, state,
+                                                         'drafter2')
   lookup = pld(params, cfg, settings, state)  # a chain tree: [anchor, proposal ...]
   agree_BxG = jnp.cumprod(lookup.tokens_BxT == chain_BxG, axis=1).astype(bool)
   lookup_cut_B = jnp.sum(agree_BxG, axis=1) - 1  # deepest chain node on lookup's path
@@ -206,7 +208,7 @@ def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
                     (jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, settings.gamma - 1)
                                          [..., None], 2)[..., 0] == first_B[:, None]), axis=1)
   lookup_valid_BxG = lookup.valid_BxT & ~repeats[:, None] & (depth > lookup_cut_B[:, None])
-  ones_BxKxG = jnp.ones_like(keep_BxKxG)
+  ones_BxKxG = jnp.ones_like(branch_BxKxG, bool)
   return pack_tree(state.anchor_B, chain_BxG,
                    jnp.concatenate([branch_BxKxG, lookup.tokens_BxT[:, None]], 1),
                    jnp.concatenate([cut_BxK, lookup_cut_B[:, None]], 1), settings.tree_size,
