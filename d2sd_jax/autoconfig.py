@@ -52,8 +52,9 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
       cfgs = {n: drafters[n][0] for n in decoding.drafters_needed(method)}
       specs[label] = SP.SpecSettings(settings, method=method, **knobs, **cfgs)
   context = decoding._round_up(longest, decoding.PROMPT_BUCKET)  # pylint: disable=protected-access
+  sizes = sorted({2} | {spec.tree_size for spec in specs.values()})  # only what is weighed
   costs = costmodel.measure(params, target.cfg, list(specs.values()), batch=batch,
-                            context=context, log=log)
+                            context=context, sizes=sizes, repeats=5, log=log)
   table = {}
   for label, method, knobs in cands:
     if method == 'ar':
