@@ -96,10 +96,9 @@ class CycleCosts:
 
   def at(self, table: str, nodes: int) -> float:
     """verify / accept cost of `nodes` nodes, linear between the measured sizes."""
-    sizes = sorted(int(k) for k in getattr(self, table))
-    values = [getattr(self, table)[k] if k in getattr(self, table) else getattr(self, table)[str(k)]
-              for k in sizes]
-    return float(np.interp(nodes, sizes, values))
+    by_size = getattr(self, table)  # int keys (from_json converts them)
+    sizes = sorted(by_size)
+    return float(np.interp(nodes, sizes, [by_size[k] for k in sizes]))
 
   def cycle(self, spec: SP.SpecSettings) -> float:
     """One verification cycle of `spec`: draft + verify + accept (one program in the loop)."""
@@ -362,14 +361,12 @@ def main():
 
 
 def candidate_specs(gen, d1cfg, d2cfg) -> list[SP.SpecSettings]:
-  """The drafting configurations whose drafts the CPU cost table holds (auto-config's
-  candidates): drafter 1 alone, and D2SD with K = 1, 2, 4 at 1 and 2 denoising steps."""
+  """The drafting configurations `costmodel measure` times: prompt lookup, drafter 1 alone,
+  and D2SD with K = 1, 2, 4 (one denoising step)."""
   specs = [SP.SpecSettings(gen, method='dflash', gamma=d1cfg.gamma, drafter1=d1cfg)]
   for K in (1, 2, 4):
-    for steps in (1,):
-      specs.append(SP.SpecSettings(gen, method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg,
-                                   drafter2=d2cfg, n_branches=min(K, d1cfg.gamma - 1),
-                                   steps=steps))
+    specs.append(SP.SpecSettings(gen, method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg,
+                                 drafter2=d2cfg, n_branches=min(K, d1cfg.gamma - 1)))
   specs.append(SP.SpecSettings(gen, method='pld', gamma=d1cfg.gamma))
   return specs
 
