@@ -9,6 +9,7 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.kind = 'drafter1'  # 'drafter1' (anchor + all masks) or 'drafter2' (variable prefix)
   c.target = 'smollm2'  # the target the drafter learns (must match at decode time)
+  c.dtype = 'float32'  # the frozen target's weights ('bfloat16' on pods: half the memory)
   c.workdir = 'runs/drafter1'  # checkpoints/ and metrics.jsonl go here; rerun to resume
   c.init_from = ''  # a drafter (workdir or export) whose weights start this run (drafter 2: 1's)
 
@@ -43,6 +44,9 @@ def get_config():
   c.train.clip = 1.0  # global gradient-norm clip
   c.train.seed = 0
   c.train.precompute_features = True  # teacher features once, to a float16 file (False: in-step)
+  c.train.compute_dtype = 'float32'  # drafter arithmetic; 'bfloat16' keeps float32 master weights
+  c.train.grad_accum = 1  # micro-batches per step (same update, 1/k of the activations)
+  c.train.remat = False  # recompute drafter layers in the backward pass (memory for compute)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.decay = 4.0  # drafter 1: position weights exp(-(k-1)/decay)

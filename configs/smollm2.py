@@ -32,6 +32,9 @@ def get_config():
   c.prompt = ''  # one prompt (neither prompt nor prompts_file: a demo prompt)...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line
   c.chat = True  # wrap each prompt in the model's chat template
+  # Extra chat-template variables as a JSON object ('' = none), e.g. for Qwen3:
+  # --config.chat_template_kwargs='{"enable_thinking": false}'
+  c.chat_template_kwargs = ''
   c.max_new_tokens = 128  # per prompt; generation also stops at EOS
   c.temperature = 0.0  # 0 = greedy
   c.top_k = 0  # 0 = off

@@ -61,15 +61,19 @@ class Decoder:
                temperature: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.top_k,
                top_p: float = _DEFAULTS.top_p, seed: int = _DEFAULTS.seed,
                batch_size: int = _DEFAULTS.batch_size, cache_len: int = _DEFAULTS.cache_len,
-               stage_times: bool = _DEFAULTS.stage_times, **spec) -> Generation:
+               stage_times: bool = _DEFAULTS.stage_times,
+               chat_template_kwargs: dict | None = None, **spec) -> Generation:
     """Completes each prompt through decode.py's path (`decoding.generate`, same defaults).
 
+    chat_template_kwargs: variables for the chat template, as transformers'
+    apply_chat_template takes them (e.g. {'enable_thinking': False} for Qwen3).
     spec: speculative knobs, the fields of `speculative.SpecSettings` (gamma: by default the
     drafters' block; n_branches: K, by default min(4, gamma-1); steps, order, tree_budget,
     leniency, ngram_max). The stats include tau and the acceptance histogram for speculative
     methods. Repeated calls with the same shapes reuse the compiled programs."""
     options = decoding.Options(
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
+        chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
         cache_len=cache_len, spec=spec, stage_times=stage_times)
     completions, stats = decoding.generate(self.target, self.drafters, prompts, options,
@@ -140,7 +144,8 @@ def save_target(target: loaders.Target, directory: str) -> None:
   mngr.close()
   tok = target.tokenizer
   info = {'config': dataclasses.asdict(target.cfg), 'source': target.source,
-          'fingerprint': ckpt.target_fingerprint(target),
+          'fingerprint': ckpt.target_fingerprint(target),  # identity: what drafters check
+          'params_fingerprint': ckpt.params_fingerprint(target.cfg, target.params),  # integrity
           'tokenizer': None if tok is None else {
               'eos_ids': list(tok.eos_ids), 'pad_id': tok.pad_id, 'bos_id': tok.bos_id,
               'add_bos': tok.add_bos, 'chat_template': tok.chat_template,
@@ -176,8 +181,9 @@ def load_saved_target(directory: str, sharding=None) -> loaders.Target:
       bpe=tokenizers.Tokenizer.from_str(t['bpe']), eos_ids=tuple(t['eos_ids']),
       pad_id=t['pad_id'], bos_id=t['bos_id'], add_bos=t['add_bos'],
       chat_template=t['chat_template'])
-  target = loaders.Target(cfg=cfg, params=params, tokenizer=tok, source=directory)
-  if ckpt.target_fingerprint(target) != info['fingerprint']:
+  target = loaders.Target(cfg=cfg, params=params, tokenizer=tok, source=directory,
+                          fingerprint=info['fingerprint'])
+  if ckpt.params_fingerprint(cfg, params) != info.get('params_fingerprint', info['fingerprint']):
     raise ValueError(f'saved target in {directory} does not match its recorded fingerprint: '
                      'the parameters were changed or damaged; save it again')
   return target
@@ -189,11 +195,10 @@ def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | N
   ('smollm2', a .gguf file, a Hugging Face folder) plus drafter checkpoints (train.py workdirs
   or exported drafters). With `mesh` (a jax.sharding.Mesh with 'data' and 'model' axes) the
   parameters are placed by the sharding rules of `d2sd_jax.sharding`."""
-  shard_target = shard_drafter = None
+  shard_target = None
   if mesh is not None:
     from d2sd_jax import sharding  # pylint: disable=import-outside-toplevel
     shard_target = lambda tree: sharding.target_shardings(mesh, tree)
-    shard_drafter = lambda tree: sharding.drafter_shardings(mesh, tree)
   root = saved_folder(target)
   if root is not None:
     with open(os.path.join(root, DECODER_FILE)) as f:
@@ -202,17 +207,12 @@ def load(target: str = 'smollm2', drafter1: str | None = None, drafter2: str | N
     paths = {name: os.path.join(root, name) for name in info['drafters']}
     method = method or info['method']
   else:
-    tgt = loaders.load_target(target, dtype)
-    if shard_target is not None:
-      tgt = dataclasses.replace(tgt, params=jax.device_put(tgt.params,
-                                                           shard_target(tgt.params)))
+    tgt = loaders.load_target(target, dtype, mesh)
     paths = {n: p for n, p in (('drafter1', drafter1), ('drafter2', drafter2)) if p}
   decoding.tokenizer_of(tgt)  # refused now, not at the first generate()
   drafters = {}
   for name, path in paths.items():
-    dcfg, params, _ = ckpt.load_drafter(path, tgt)
-    if shard_drafter is not None:
-      params = jax.device_put(params, shard_drafter(params))
+    dcfg, params, _ = ckpt.load_drafter(path, tgt, tgt.cfg.dtype, mesh)
     drafters[name] = (dcfg, params)
   return Decoder(tgt, drafters, method, mesh)
 

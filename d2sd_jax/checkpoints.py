@@ -8,36 +8,37 @@ drafter-only form that ships (parameters in bfloat16, no optimizer state).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from d2sd_jax import drafter as drafter_lib
 from d2sd_jax import loaders
 from d2sd_jax import model as model_lib
+from d2sd_jax import sharding as sharding_lib
 
 
 def target_fingerprint(target: loaders.Target) -> str:
-  """Architecture + a hash of some weights: a checkpoint for another target is refused."""
-  h = hashlib.sha256(json.dumps(_arch(target.cfg), sort_keys=True).encode())
-  for x in (target.params['embed'][:64], target.params['final_norm'],
-            target.params['layers'][-1]['w_down'][:8]):
-    h.update(np.asarray(x, np.float32).tobytes())
-  return h.hexdigest()[:16]
+  """Architecture + a hash of some weights (`loaders.fingerprint`): a checkpoint for another
+  target is refused. Loaded targets carry the one of their stored weights (the same in float32
+  and bfloat16); a target built in memory gets the one of its parameters."""
+  if target.fingerprint is not None:
+    return target.fingerprint
+  return params_fingerprint(target.cfg, target.params)
 
 
-def _arch(cfg: model_lib.ModelConfig) -> dict:
-  return {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
+def params_fingerprint(cfg: model_lib.ModelConfig, params) -> str:
+  """`loaders.fingerprint` of parameters as they are (in their dtype)."""
+  return loaders.fingerprint(cfg, params['embed'][:64], params['final_norm'],
+                             params['layers'][-1]['w_down'][:8])
 
 
 def checkpoint_metadata(kind: str, target_name: str, target, dcfg) -> dict:
   return {'kind': kind, 'drafter': dataclasses.asdict(dcfg), 'target': target_name,
-          'target_arch': _arch(target.cfg), 'target_fingerprint': target_fingerprint(target)}
+          'target_arch': loaders.architecture(target.cfg), 'target_fingerprint': target_fingerprint(target)}
 
 
 def check_metadata(meta: dict, target, path: str) -> None:
@@ -86,9 +87,13 @@ def resolve_path(path: str) -> str:
   return candidate if os.path.exists(candidate) else path
 
 
-def load_drafter(path: str, target: loaders.Target):
-  """(DrafterConfig, float32 params, metadata) from a training workdir, its checkpoints/ folder,
-  or an exported drafter folder; the latest step. Refuses a drafter made for another target."""
+def load_drafter(path: str, target: loaders.Target, dtype: str = 'float32', mesh=None):
+  """(DrafterConfig, params, metadata) from a training workdir, its checkpoints/ folder, or an
+  exported drafter folder; the latest step. Refuses a drafter made for another target.
+
+  The parameters come back in `dtype` (decoding passes the target's: a bfloat16 target drafts
+  in bfloat16; training keeps float32 master weights), and DrafterConfig.dtype says so. With
+  `mesh` each tensor is restored straight onto its sharding (`sharding.drafter_shardings`)."""
   path = os.path.abspath(resolve_path(path))  # Orbax wants absolute paths
   directory = os.path.join(path, 'checkpoints') if os.path.isdir(
       os.path.join(path, 'checkpoints')) else path
@@ -108,12 +113,14 @@ def load_drafter(path: str, target: loaders.Target):
   dcfg = drafter_lib.DrafterConfig(**d)
   abstract = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, target.cfg,
                                                             jax.random.PRNGKey(0)))
-  if meta.get('param_dtype', 'float32') != 'float32':
-    abstract = jax.tree.map(lambda x: x if _is_int(x) else jax.ShapeDtypeStruct(
-        x.shape, meta['param_dtype']), abstract)
+  stored = meta.get('param_dtype', 'float32')
+  shardings = (jax.tree.map(lambda _: None, abstract) if mesh is None else
+               sharding_lib.drafter_shardings(mesh, abstract))
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype if _is_int(x) else stored, sharding=s), abstract, shardings)
   params = restore(mngr, step, target, {'params': abstract})['params']
-  return dcfg, jax.tree.map(lambda x: x if _is_int(x) else jnp.asarray(x, jnp.float32),
-                            params), meta
+  params = jax.tree.map(lambda x: x if _is_int(x) else x.astype(dtype), params)
+  return dataclasses.replace(dcfg, dtype=dtype), params, meta
 
 
 def _is_int(x) -> bool:

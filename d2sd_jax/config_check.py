@@ -19,12 +19,12 @@ SPEC_KNOBS = tuple(f.name for f in dataclasses.fields(speculative.SpecSettings)
 
 # The fields train.py reads (configs/drafter1.py, configs/drafter2.py).
 TRAIN_FIELDS = {
-    'kind': None, 'target': None, 'workdir': None, 'init_from': None,
+    'kind': None, 'target': None, 'dtype': None, 'workdir': None, 'init_from': None,
     'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
                 'feature_layers', 'rope_base', 'norm_eps', 'head_vocab'},
     'data': {'source', 'path', 'tfds_dir', 'seq_len', 'eval_fraction', 'features_dir'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
-              'seed', 'precompute_features'},
+              'seed', 'precompute_features', 'compute_dtype', 'grad_accum', 'remat'},
     'loss': {'decay', 'beta', 'tau', 'reveal'},
     'mesh': {'data', 'model'}, 'distributed': None,
     'log_every': None, 'eval_every': None, 'save_every': None, 'keep': None,
@@ -35,6 +35,7 @@ TRAIN_FIELDS = {
 DECODE_FIELDS = {
     'target': None, 'dtype': None, 'method': None, 'drafter1': None, 'drafter2': None,
     'spec': set(SPEC_KNOBS), 'prompt': None, 'prompts_file': None, 'chat': None,
+    'chat_template_kwargs': None,
     'max_new_tokens': None, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None,
     'batch_size': None, 'cache_len': None, 'stage_times': None, 'output': None,
     'mesh': {'data', 'model'}, 'distributed': None,

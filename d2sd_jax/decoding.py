@@ -42,6 +42,9 @@ class Options:
   method: str  # 'ar' or a drafting method (drafting.REGISTRY, read at call time)
   max_new_tokens: int = 128  # per prompt; generation also stops at EOS
   chat: bool = True  # wrap each prompt in the target's chat template
+  # Extra chat-template variables, as transformers' apply_chat_template(**kwargs) takes them:
+  # e.g. {'enable_thinking': False} (Qwen3), {'tools': [...]}. decode.py: a JSON string.
+  chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
   temperature: float = 0.0  # 0 = greedy
   top_k: int = 0  # 0 = off
   top_p: float = 1.0  # 1 = off
@@ -90,6 +93,9 @@ def check(options: Options, drafters) -> None:
                      f'{AUTO_BATCH} at most)')
   if options.cache_len < 2:
     raise ValueError(f'cache_len={options.cache_len} must be >= 2 (prompt + new tokens per row)')
+  if not isinstance(options.chat_template_kwargs, dict):
+    raise ValueError(f'chat_template_kwargs={options.chat_template_kwargs!r} must be a dict of '
+                     "template variables, such as {'enable_thinking': False}")
   config_check.check_fields(options.spec, dict.fromkeys(config_check.SPEC_KNOBS), 'speculative')
 
 
@@ -117,8 +123,28 @@ def options_from_config(config: ml_collections.ConfigDict) -> Options:
   (a field the config leaves out takes Options' default)."""
   given = {f.name: config[f.name] for f in dataclasses.fields(Options)
            if f.name != 'spec' and f.name in config}
+  if 'chat_template_kwargs' in given:
+    given['chat_template_kwargs'] = parse_chat_template_kwargs(given['chat_template_kwargs'])
   spec = config.get('spec') or {}
   return Options(**given, spec=spec.to_dict() if hasattr(spec, 'to_dict') else dict(spec))
+
+
+def parse_chat_template_kwargs(value) -> dict:
+  """decode.py's chat_template_kwargs: a JSON object as a string, because a flag can only set a
+  field the config file already has (`--config.chat_template_kwargs='{"enable_thinking":
+  false}'` works whatever the keys); '' means none. A dict (or ConfigDict) is taken as it is."""
+  if hasattr(value, 'to_dict'):
+    value = value.to_dict()
+  if isinstance(value, str):
+    try:
+      value = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as e:
+      raise ValueError(f'chat_template_kwargs={value!r} is not valid JSON ({e}): give an object '
+                       'such as \'{"enable_thinking": false}\'') from e
+  if not isinstance(value, dict):
+    raise ValueError(f'chat_template_kwargs={value!r} must be a JSON object (template variable '
+                     'names to values), such as \'{"enable_thinking": false}\'')
+  return value
 
 
 def validate(config: ml_collections.ConfigDict) -> Options:
@@ -334,7 +360,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   if not prompts:
     raise ValueError('no prompts: give a string or a non-empty list of strings')
   tok = tokenizer_of(target)
-  prompt_ids = [tok.encode_prompt(p, options.chat) for p in prompts]
+  prompt_ids = [tok.encode_prompt(p, options.chat, options.chat_template_kwargs)
+                for p in prompts]
   longest = max(len(p) for p in prompt_ids)
   limit = cache_limit(target, longest, options.max_new_tokens, options.cache_len)
   batch = options.batch_size or min(len(prompts), AUTO_BATCH)
@@ -386,18 +413,14 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   sharding.maybe_initialize_distributed(config.get('distributed', False))
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
   split = mesh is not None and mesh.size > 1  # tensor parallel: weights split over 'model'
-  target = loaders.load_target(config.target, config.dtype)
-  if split:
-    target = dataclasses.replace(target, params=jax.device_put(
-        target.params, sharding.target_shardings(mesh, target.params)))
+  target = loaders.load_target(config.target, config.dtype, mesh if split else None)
   tokenizer_of(target)
   drafters = {}
   wanted = ([n for n in DRAFTERS if config.get(n)] if options.method == 'auto' else
             drafters_needed(options.method))
   for name in wanted:
-    dcfg, dparams, _ = ckpt.load_drafter(config[name], target)
-    if split:
-      dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+    dcfg, dparams, _ = ckpt.load_drafter(config[name], target, config.dtype,
+                                         mesh if split else None)
     drafters[name] = (dcfg, dparams)
   completions, stats = generate(target, drafters, prompts, options)
   for i, row in enumerate(completions):

@@ -157,7 +157,7 @@ def features_of(hidden_features_BxNxLxD):
 
 def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, tokens_BxQ,
             is_mask_BxQ, positions_BxQ, ctx_cache, ctx_mask, block_mask_BxQxQ,
-            head_only: bool = False):
+            head_only: bool = False, remat: bool = False):
   """Logits [B, Q, V] (float32) for Q block positions (one or several blocks side by side).
   With a head_vocab subset they are -inf outside it; head_only=True returns [B, Q, N], the
   logits of the head's N tokens only (training and denoising: no vocabulary-sized tensors;
@@ -165,15 +165,17 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
 
   ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
   block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
-  denoising is bidirectional).
+  denoising is bidirectional). remat=True recomputes each layer's activations in the backward
+  pass instead of keeping them (training memory for compute).
   """
   lcfg = dcfg.layer_config(tcfg.vocab_size)
   x_BxQxD = tparams['embed'][tokens_BxQ].astype(lcfg.jnp_dtype)
   x_BxQxD = jnp.where(is_mask_BxQ[..., None], dparams['mask_embed'].astype(x_BxQxD.dtype), x_BxQxD)
   if 'in_proj' in dparams:
     x_BxQxD = jnp.einsum('bqd,wd->bqw', x_BxQxD, dparams['in_proj'])
+  layer = jax.checkpoint(model_lib.layer, static_argnums=(0,)) if remat else model_lib.layer
   for lp, kv in zip(dparams['layers'], ctx_cache):
-    x_BxQxD, _ = model_lib.layer(lcfg, x_BxQxD, lp, kv, positions_BxQ, ctx_mask, block_mask_BxQxQ)
+    x_BxQxD, _ = layer(lcfg, x_BxQxD, lp, kv, positions_BxQ, ctx_mask, block_mask_BxQxQ)
   h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
   if 'out_proj' in dparams:
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])

@@ -63,7 +63,8 @@ def block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, gamma: int, reveal_BxAxG=
 
 
 def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, features_BxLxF,
-                 tokens_BxQ, is_mask_BxQ, positions_BxQ, anchors_BxA, head_only: bool = False):
+                 tokens_BxQ, is_mask_BxQ, positions_BxQ, anchors_BxA, head_only: bool = False,
+                 remat: bool = False):
   """Drafter logits for A blocks per sequence, each seeing the context before its anchor."""
   B, L, _ = features_BxLxF.shape
   A, G = anchors_BxA.shape[1], dcfg.gamma
@@ -73,16 +74,20 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
   ctx_mask_BxQxL = jnp.arange(L)[None, None, :] < jnp.repeat(anchors_BxA, G, axis=1)[..., None]
   block_mask = jnp.broadcast_to(block_of_q[:, None] == block_of_q[None, :], (B, A * G, A * G))
   return drafter_lib.forward(dparams, dcfg, tparams, tcfg, tokens_BxQ, is_mask_BxQ,
-                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask, head_only)
+                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask, head_only, remat)
 
 
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
                  features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG,
-                 calibrate: bool = False, reveal_BxAxG=None):
+                 calibrate: bool = False, reveal_BxAxG=None, normalizer=None,
+                 remat: bool = False):
   """Weighted cross-entropy at masked block positions whose label is a target output.
 
   Returns (loss, metrics): metrics['acc_by_pos'] [G] is the top-1 agreement with the labels per
-  block position, ['count_by_pos'] how many labels it averaged."""
+  block position, ['count_by_pos'] how many labels it averaged, ['weight'] the loss weights'
+  sum. The loss is the weighted sum over `normalizer` (default: that sum, i.e. the weighted
+  mean); gradient accumulation passes 1 and divides the summed gradients by the total weight,
+  which gives exactly the whole batch's gradient."""
   B, L = seq_BxL.shape
   A, G = anchors_BxA.shape[1], dcfg.gamma
   tokens, is_mask, positions, in_range = block_inputs(seq_BxL, anchors_BxA, prefix_len_BxA, G,
@@ -90,7 +95,7 @@ def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_Bx
   # With a head_vocab subset the logits cover the head's tokens only; labels outside it count
   # as misses (the drafter cannot propose them) and carry no loss.
   logits = block_logits(dparams, dcfg, tparams, tcfg, features_BxLxF, tokens, is_mask, positions,
-                        anchors_BxA, head_only=True)
+                        anchors_BxA, head_only=True, remat=remat)
   label_ok = jnp.take_along_axis(label_mask_BxL, jnp.clip(positions, 0, L - 1), 1)
   valid = is_mask & in_range & label_ok  # block tokens ARE the labels where masked
   target = drafter_lib.head_index(dparams, tokens, tcfg.vocab_size)
@@ -98,11 +103,12 @@ def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_Bx
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, jnp.maximum(target, 0)[..., None], -1)[..., 0]
   w = weights_BxAxG.reshape(B, A * G) * (valid & in_head)
-  loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
+  weight = jnp.sum(w)
+  loss = jnp.sum(w * nll) / (jnp.maximum(weight, 1e-9) if normalizer is None else normalizer)
   hit = (jnp.argmax(logits, -1) == target) & valid & in_head
   acc_by_pos = jnp.sum(hit.reshape(B * A, G), 0) / jnp.maximum(
       jnp.sum(valid.reshape(B * A, G), 0), 1)
-  metrics = {'loss': loss, 'acc_by_pos': acc_by_pos,
+  metrics = {'loss': loss, 'acc_by_pos': acc_by_pos, 'weight': weight,
              'count_by_pos': jnp.sum(valid.reshape(B * A, G), 0)}
   if calibrate:  # (costly: evaluation only) confidence bins of P(correct | earlier correct)
     hit_blocks = (hit | ~valid).reshape(B * A, G)

@@ -52,8 +52,18 @@ class ModelConfig:
   qk_norm: bool = False  # Qwen3
   max_position: int = 8192  # context length the model was trained for
   dtype: str = 'float32'  # parameter and activation dtype ('float32' or 'bfloat16')
+  # Per-frequency divisors of RoPE's inverse frequencies, head_dim/2 of them (Llama-3.1 'llama3'
+  # and 'linear' scaling, a GGUF's rope_freqs tensor); None = plain RoPE. A tuple, not an
+  # array, so the config stays hashable as a static jit argument.
+  rope_freq_factors: tuple[float, ...] | None = None
 
   def __post_init__(self):
+    if self.rope_freq_factors is not None:  # a list read back from JSON becomes a tuple
+      object.__setattr__(self, 'rope_freq_factors',
+                         tuple(float(f) for f in self.rope_freq_factors))
+      if len(self.rope_freq_factors) != self.head_dim // 2:
+        raise ValueError(f'{len(self.rope_freq_factors)} rope_freq_factors for head_dim='
+                         f'{self.head_dim}: give one per rotated pair ({self.head_dim // 2})')
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f'n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}')
     if self.head_dim % 2:
@@ -118,10 +128,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BxTxNhxhd: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
-  """Rotary embedding, 'rotate half' convention (Hugging Face layout)."""
+def rope(x_BxTxNhxhd: jax.Array, positions_BxT: jax.Array, base: float,
+         freq_factors: tuple[float, ...] | None = None) -> jax.Array:
+  """Rotary embedding, 'rotate half' convention (Hugging Face layout).
+
+  freq_factors: divide the inverse frequencies (ModelConfig.rope_freq_factors): a constant
+  folded in at trace time, so plain RoPE (None) runs exactly as before.
+  """
   hd = x_BxTxNhxhd.shape[-1]
   inv_freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
   angle_BxTxh = positions_BxT[..., None].astype(jnp.float32) * inv_freq
   cos = jnp.cos(angle_BxTxh)[:, :, None, :]
   sin = jnp.sin(angle_BxTxh)[:, :, None, :]
@@ -180,8 +197,9 @@ def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
   if cfg.qk_norm:
     q_BxTxHkvxHgxhd = rms_norm(q_BxTxHkvxHgxhd, lp['q_norm'], cfg.norm_eps)
     k_BxTxHkvxhd = rms_norm(k_BxTxHkvxhd, lp['k_norm'], cfg.norm_eps)
-  q_BxTxHxhd = rope(q_BxTxHkvxHgxhd.reshape(B, T, Hkv * Hg, hd), positions_BxT, cfg.rope_base)
-  return q_BxTxHxhd, rope(k_BxTxHkvxhd, positions_BxT, cfg.rope_base), v_BxTxHkvxhd
+  rope_of = lambda x: rope(x, positions_BxT, cfg.rope_base, cfg.rope_freq_factors)
+  q_BxTxHxhd = rope_of(q_BxTxHkvxHgxhd.reshape(B, T, Hkv * Hg, hd))
+  return q_BxTxHxhd, rope_of(k_BxTxHkvxhd), v_BxTxHkvxhd
 
 
 def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,

@@ -79,6 +79,13 @@ def validate(config) -> None:
     raise ValueError(f'keep={config.keep} must be >= 1 (checkpoints kept) or None (all)')
   if config.train.lr <= 0 or config.train.clip <= 0:
     raise ValueError('train.lr and train.clip must be > 0')
+  if t.get('grad_accum', 1) < 1 or t.batch_size % t.get('grad_accum', 1):
+    raise ValueError(f'train.grad_accum={t.get("grad_accum")} must be >= 1 and divide '
+                     f'train.batch_size={t.batch_size}')
+  for name, value in (('dtype', config.get('dtype', 'float32')),
+                      ('train.compute_dtype', t.get('compute_dtype', 'float32'))):
+    if value not in ('float32', 'bfloat16'):
+      raise ValueError(f"{name}={value!r}: use 'float32' or 'bfloat16'")
   drafter_config(config)  # the drafter's own checks (sizes, heads, head_vocab)
 
 
@@ -126,27 +133,63 @@ def target_features(tparams, tcfg, dcfg, tokens_BxL):
 
 def make_train_step(config, tcfg, dcfg, opt):
   """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
-  float dtype) or None, in which case the frozen target computes them inside the step."""
+  float dtype) or None, in which case the frozen target computes them inside the step.
 
-  def loss_fn(trainable, fixed, tparams, tokens, label_mask, key, feats, calibrate=False):
+  Mixed precision: the optimizer keeps float32 master weights; with train.compute_dtype =
+  'bfloat16' the loss casts them (and the features) to bfloat16, so the drafter's matmuls run in
+  bfloat16 and the gradients flow back to the float32 masters. train.grad_accum = k splits the
+  batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
+  divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
+  drafter layer in the backward pass instead of storing its activations."""
+  t = config.train
+  compute = t.get('compute_dtype', 'float32')
+  accum, remat = t.get('grad_accum', 1), t.get('remat', False)
+  cdcfg = dataclasses.replace(dcfg, dtype=compute)
+
+  def loss_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats, calibrate=False,
+              normalizer=None):
     if feats is None:
       feats = target_features(tparams, tcfg, dcfg, tokens)
-    feats = jax.lax.stop_gradient(feats.astype(jnp.float32))
-    anchors, prefix, weights, reveal = sample_blocks(key, label_mask, config, dcfg.gamma)
-    return losses.drafter_loss({**trainable, **fixed}, dcfg, tparams, tcfg, tokens, feats,
-                               label_mask, anchors, prefix, weights, calibrate, reveal)
+    feats = jax.lax.stop_gradient(feats.astype(compute))
+    params = {**jax.tree.map(lambda x: x.astype(compute), trainable), **fixed}
+    anchors, prefix, weights, reveal = blocks
+    return losses.drafter_loss(params, cdcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
+                               prefix, weights, calibrate, reveal, normalizer, remat)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulated(trainable, fixed, tparams, tokens, label_mask, blocks, feats):
+    micro = lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+
+    def one(grads, xs):
+      (_, m), g = grad_fn(trainable, fixed, tparams, *xs, normalizer=1.0)
+      return jax.tree.map(jnp.add, grads, g), m
+
+    xs = jax.tree.map(micro, (tokens, label_mask, blocks, feats))
+    grads, ms = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, trainable), xs)
+    weight = jnp.maximum(jnp.sum(ms['weight']), 1e-9)
+    counts = jnp.sum(ms['count_by_pos'], 0)
+    metrics = {'loss': jnp.sum(ms['loss']) / weight, 'weight': weight, 'count_by_pos': counts,
+               'acc_by_pos': jnp.sum(ms['acc_by_pos'] * ms['count_by_pos'], 0) / jnp.maximum(
+                   counts, 1)}
+    return jax.tree.map(lambda g: g / weight, grads), metrics
 
   def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None):
     trainable, fixed = drafter_lib.split_fixed(dparams)
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        trainable, fixed, tparams, tokens, label_mask, key, feats)
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
+    if accum == 1:
+      (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats)
+    else:
+      grads, metrics = accumulated(trainable, fixed, tparams, tokens, label_mask, blocks, feats)
     updates, opt_state = opt.update(grads, opt_state, trainable)
     metrics['grad_norm'] = optax.tree.norm(grads)
     return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
 
   def eval_step(dparams, tparams, tokens, label_mask, key, feats=None):
     trainable, fixed = drafter_lib.split_fixed(dparams)
-    return loss_fn(trainable, fixed, tparams, tokens, label_mask, key, feats, calibrate=True)[1]
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
+    return loss_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats,
+                   calibrate=True)[1]
 
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
@@ -216,11 +259,11 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   mesh = sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'])
   sharding.check_batch(mesh, config.train.batch_size)
   chief = jax.process_index() == 0  # logs and progress from one process (Orbax saves from all)
-  target = loaders.load_target(config.target, 'float32')
+  # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
+  # bfloat16 never exists whole in float32, nor on one device).
+  target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
   dcfg = drafter_config(config)
   dcfg.check_target(target.cfg)
-  target = dataclasses.replace(target, params=jax.device_put(
-      target.params, sharding.target_shardings(mesh, target.params)))
   if config.data.source == 'tfds':  # the prepared TFDS copy (python -m d2sd_jax.tfds_data)
     from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
     records = tfds_data.read_records(config.data.tfds_dir)

@@ -117,6 +117,8 @@ def test_unknown_decode_fields_are_named(tiny_folder):
     (['--config.temprature=0.5'], 'Did you mean "temperature"'),  # refused by the flag parser
     (['--config.temperature=-1'], 'temperature=-1.0 must be >= 0'),  # ValueError
     (['--config.prompts_file=/no/such.jsonl'], "prompts_file '/no/such.jsonl' not found"),
+    # A JSON object is a plain string to the flag parser: read, then refused by decode.py.
+    (['--config.chat_template_kwargs={"enable_thinking": fals}'], 'is not valid JSON'),
 ])
 def test_decode_cli_user_errors_are_one_line(flags, message):
   """A user error is one line `error: ...` on stderr and exit status 2, no traceback; each is
@@ -156,7 +158,7 @@ def test_config_is_the_library_defaults():
   assert config.spec.to_dict() == knobs
   assert set(config_check.DECODE_FIELDS['spec']) == set(knobs)
   for f in dataclasses.fields(decoding.Options):
-    if f.name not in ('method', 'spec'):
+    if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
       assert config[f.name] == f.default, f.name
   assert decoding.options_from_config(config) == decoding.Options(
       method=config.method, spec=knobs)
