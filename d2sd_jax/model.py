@@ -23,10 +23,20 @@ Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector p
 them 8-13 % faster than [in, out] at batch 1 and 8.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
+
+Precision. `dtype` is the storage dtype of the weights and the KV cache (bfloat16 halves both);
+activations, the residual stream, every accumulation and the logits are float32. A token's
+hidden state then differs between a verified tree and one-token AR steps only by float32
+accumulation order (as in float32), plus the rare bfloat16 rounding flip of a cached key or
+value, so bfloat16 speculative decoding reproduces bfloat16 AR. With bfloat16 activations (each
+layer's output rounded) the two drifted 0.25 apart in the final hidden state and greedy outputs
+diverged within 64 tokens on 2 of 3 prompts (tests/test_bf16.py). New tokens' keys and values
+are rounded to the cache dtype before any token attends to them, as a later step reads them.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -153,7 +163,8 @@ def causal_mask(batch: int, length: int) -> jax.Array:
 
 
 def _linear(x_BxTxI, w_OxI):
-  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI)
+  """x @ w.T, float32 out (see Precision in the module docstring)."""
+  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
 
 
 UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
@@ -219,13 +230,17 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   # context part reads the cache as it was, so the write below is the cache's only update and
   # XLA does it in place (attending through the freshly written cache made it copy the whole
   # layer cache several times per step).
-  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3)
-  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3)
+  # The new tokens' K/V in the cache's dtype before anything reads them: a token verified in a
+  # tree sees its ancestors' keys exactly as it would read them from the cache one step later.
+  # Dots take the cache in its dtype and accumulate in float32.
+  cdt = kv['k'].dtype
+  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
+  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
-                .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
-  f32 = lambda x: x.astype(jnp.float32)
-  scores_ctx_BxHkvxRxS = jnp.einsum('bkqh,bksh->bkqs', q_BxHkvxRxhd, f32(kv['k']))
-  scores_new_BxHkvxRxT = jnp.einsum('bkqh,bkth->bkqt', q_BxHkvxRxhd, f32(k_new_BxHkvxTxhd))
+                  .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
+  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
+  scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
   S = scores_ctx_BxHkvxRxS.shape[-1]
   mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
   ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
@@ -236,8 +251,8 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
   probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, jnp.finfo(jnp.float32).min),
                          axis=-1)
-  attn_BxHkvxRxhd = (jnp.einsum('bkqs,bksh->bkqh', probs[..., :S], f32(kv['v'])) +
-                   jnp.einsum('bkqt,bkth->bkqh', probs[..., S:], f32(v_new_BxHkvxTxhd)))
+  attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
+                     dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
   attn_BxTxE = (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
                 .reshape(B, T, Hkv * Hg * hd).astype(x_BxTxD.dtype))
   new_kv = kv
@@ -281,7 +296,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   if tree_mask_BxTxT is None:
     tree_mask_BxTxT = causal_mask(B, T)
   ctx_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
-  x_BxTxD = params['embed'][tokens_BxT].astype(cfg.jnp_dtype)
+  x_BxTxD = params['embed'][tokens_BxT].astype(jnp.float32)
 
   # Layers are unrolled over lists of per-layer weights and caches: a `lax.scan` over stacked
   # weights makes XLA:CPU copy each layer's slice before its matmul.
@@ -299,7 +314,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
 def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
   """Float32 logits from final hidden states (tied or separate LM head)."""
   head_VxD = params['embed'] if cfg.tie_embeddings else params['lm_head']
-  return jnp.einsum('btd,vd->btv', hidden_BxTxD, head_VxD).astype(jnp.float32)
+  return jnp.einsum('btd,vd->btv', hidden_BxTxD, head_VxD, preferred_element_type=jnp.float32)
 
 
 def param_bytes(params: Params) -> int:

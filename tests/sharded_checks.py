@@ -107,7 +107,57 @@ def check_decode():
   assert int(state.accepted_hist_BxC[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
 
 
+def _rss_bytes(field: str) -> int:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(field + ':'):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError(f'{field} not in /proc/self/status')
+
+
+def check_load(folder):
+  """A bfloat16 checkpoint (written by test_sharding.write_wide_checkpoint) loaded onto a 1x8
+  mesh: each device holds about 1/8 of the bytes, and the host memory the load adds at its peak
+  stays below the checkpoint's float32 size (no float32 copy, no whole model on one device)."""
+  from d2sd_jax import checkpoints, loaders  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(folder, 'config.json')) as f:
+    n_params = json.load(f)['n_params']
+  mesh = sharding.make_mesh(1, 8)
+  base = _rss_bytes('VmRSS')
+  try:  # reset the peak (VmHWM) to the current RSS, so it measures the load alone
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+  except OSError:
+    pass
+  target = loaders.load_target(folder, 'bfloat16', mesh)
+  jax.block_until_ready(target.params)
+  peak = _rss_bytes('VmHWM') - base
+  per_device = {d: 0 for d in jax.devices()}
+  for x in jax.tree.leaves(target.params):
+    assert x.dtype == jax.numpy.bfloat16, x.dtype
+    for shard in x.addressable_shards:
+      per_device[shard.device] += shard.data.nbytes
+  total = sum(x.nbytes for x in jax.tree.leaves(target.params))
+  float32_bytes = 4 * n_params
+  print(json.dumps({'params': n_params, 'float32_bytes': float32_bytes, 'bf16_bytes': total,
+                    'max_device_bytes': max(per_device.values()),
+                    'min_device_bytes': min(per_device.values()),
+                    'peak_host_bytes_during_load': peak}))
+  assert total == 2 * n_params
+  assert max(per_device.values()) <= 1.02 * total / 8, per_device  # replicated norms: ~0.1 %
+  assert min(per_device.values()) >= 0.98 * total / 8, per_device
+  assert peak < float32_bytes, (peak, float32_bytes)
+  # Same values and identity as an ordinary float32 load, once measured.
+  fp = checkpoints.target_fingerprint(target)
+  reference = loaders.load_target(folder, 'float32')
+  assert checkpoints.target_fingerprint(reference) == fp
+  for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(reference.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(a.dtype))
+
+
 if __name__ == '__main__':
   name, args = sys.argv[1], sys.argv[2:]
-  {'rules': check_rules, 'train': check_train, 'decode': check_decode}[name](*args)
+  {'rules': check_rules, 'train': check_train, 'decode': check_decode,
+   'load': check_load}[name](*args)
   print(f'ok {name}')

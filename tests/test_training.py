@@ -117,6 +117,44 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
   assert not os.path.exists(tmp_path / 'False' / 'features')
 
 
+def test_gradient_accumulation_and_remat_give_the_same_update(tiny_folder, distill_dir,
+                                                             tmp_path):
+  """grad_accum=3 (three micro-batches of one sequence, whose loss weights differ) and remat
+  change memory, not the update: the parameters after 3 steps equal the plain run's."""
+  runs = {}
+  for name, accum, remat in (('plain', 1, False), ('accum', 3, False), ('remat', 1, True)):
+    c = tiny_config(tiny_folder, distill_dir, str(tmp_path / name), steps=3)
+    c.train.update(grad_accum=accum, remat=remat)
+    runs[name] = training.run(c)
+  for name in ('accum', 'remat'):
+    assert runs[name]['acc_by_pos'] == pytest.approx(runs['plain']['acc_by_pos'], abs=1e-6)
+    for x, y in zip(jax.tree.leaves(runs['plain']['params']),
+                    jax.tree.leaves(runs[name]['params'])):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+def test_bfloat16_target_and_compute_keep_float32_master_weights(tiny_folder, distill_dir,
+                                                                 tmp_path):
+  """The pod recipe: a bfloat16 target and bfloat16 drafter arithmetic train the float32
+  master weights to nearly the float32 run's losses (but not bit-identically: bfloat16 was
+  really used); the checkpoint loads for the float32 target too (dtype-free fingerprint)."""
+  runs = {}
+  for name, dtype in (('f32', 'float32'), ('bf16', 'bfloat16')):
+    c = tiny_config(tiny_folder, distill_dir, str(tmp_path / name), steps=4)
+    c.dtype = dtype
+    c.train.compute_dtype = dtype
+    runs[name] = training.run(c)
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(runs['bf16']['params'])
+             if np.issubdtype(x.dtype, np.floating))
+  assert runs['bf16']['loss'] == pytest.approx(runs['f32']['loss'], rel=0.05)
+  assert runs['bf16']['loss'] != runs['f32']['loss']
+  from d2sd_jax import checkpoints, loaders  # pylint: disable=import-outside-toplevel
+  for dtype in ('float32', 'bfloat16'):
+    dcfg, params, _ = checkpoints.load_drafter(str(tmp_path / 'bf16'),
+                                               loaders.load_target(tiny_folder, dtype), dtype)
+    assert dcfg.dtype == dtype and params['fc'].dtype == dtype
+
+
 def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
   """The drafter head keeps the data's most frequent tokens; drafter 2 can start from drafter 1
   (same architecture required)."""
@@ -239,6 +277,10 @@ def _with(c, field, value):
     ('loss.beta', 1.0, r'loss.beta=1.0 must be in \(0, 1\)'),
     ('mesh.data', 2, r'mesh.data=2 x mesh.model=1 does not fit the 1 devices'),
     ('mesh.model', 0, r'mesh.model=0: use a positive size or -1'),
+    ('train.grad_accum', 2, r'train.grad_accum=2 must be >= 1 and divide train.batch_size=3'),
+    ('train.compute_dtype', 'float16', r"train.compute_dtype='float16': use 'float32' or "
+                                       r"'bfloat16'"),
+    ('dtype', 'int8', r"dtype='int8': use 'float32' or 'bfloat16'"),
 ])
 def test_training_config_errors_name_the_field(tiny_folder, distill_dir, tmp_path, field, value,
                                                match):
