@@ -95,6 +95,9 @@ def load_drafter(path: str, target: loaders.Target, dtype: str = 'float32', mesh
   in bfloat16; training keeps float32 master weights), and DrafterConfig.dtype says so. With
   `mesh` each tensor is restored straight onto its sharding (`sharding.drafter_shardings`)."""
   path = os.path.abspath(resolve_path(path))  # Orbax wants absolute paths
+  from d2sd_jax import dflash_format  # pylint: disable=import-outside-toplevel
+  if dflash_format.is_dflash_folder(path):  # a Hugging Face folder: DFlash's format
+    return dflash_format.load_folder(path, target, dtype, mesh)
   directory = os.path.join(path, 'checkpoints') if os.path.isdir(
       os.path.join(path, 'checkpoints')) else path
   if not os.path.isdir(directory):

@@ -42,6 +42,7 @@ class DrafterConfig:
   dtype: str = 'float32'
   confidence_temperature: float = 1.0  # c = max softmax(logits / T), T fitted on held-out data
   head_vocab: int = 0  # 0: the target's whole vocabulary; N: only N tokens (a cheaper head)
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3 layers, DFlash drafters)
 
   def __post_init__(self):
     for name in ('n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):
@@ -63,7 +64,8 @@ class DrafterConfig:
     return model_lib.ModelConfig(
         vocab_size=vocab_size, d_model=self.d_model, n_layers=self.n_layers,
         n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
-        d_ff=self.d_ff, rope_base=self.rope_base, norm_eps=self.norm_eps, dtype=self.dtype)
+        d_ff=self.d_ff, rope_base=self.rope_base, norm_eps=self.norm_eps,
+        qk_norm=self.qk_norm, dtype=self.dtype)
 
   def check_target(self, tcfg: model_lib.ModelConfig) -> None:
     bad = [i for i in self.feature_layers if not 0 <= i <= tcfg.n_layers]
@@ -81,8 +83,9 @@ def init_params(dcfg: DrafterConfig, tcfg: model_lib.ModelConfig, key: jax.Array
   k_layers, k_fc, k_mask, k_in, k_out = jax.random.split(key, 5)
   layers = model_lib.init_params(lcfg, k_layers, scale=0.1)['layers']
   for lp in layers:  # start as a near-identity residual stack
-    lp['attn_norm'] = jnp.ones_like(lp['attn_norm'])
-    lp['mlp_norm'] = jnp.ones_like(lp['mlp_norm'])
+    for name in ('attn_norm', 'mlp_norm', 'q_norm', 'k_norm'):
+      if name in lp:
+        lp[name] = jnp.ones_like(lp[name])
   W, Dt, F = dcfg.d_model, tcfg.d_model, len(dcfg.feature_layers) * tcfg.d_model
   dt = lcfg.jnp_dtype
   params = {
