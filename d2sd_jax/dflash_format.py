@@ -228,19 +228,29 @@ def _layer_to_hf(lp: dict, lcfg: model_lib.ModelConfig) -> dict:
   }
 
 
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
-  """Every tensor of the folder in its stored dtype (bfloat16 stays bfloat16), names without a
-  leading 'model.' (some exports keep the base-model prefix)."""
+def _tensor_reader(path: str):
+  """read(name) -> that tensor in its stored dtype (bfloat16 stays bfloat16), one open file at a
+  time (a drafter is converted tensor by tensor: host memory stays about one layer). Names go
+  without a leading 'model.' (some exports keep the base-model prefix)."""
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name, file in loaders._safetensors_index(path).items():  # pylint: disable=protected-access
+  where = {name.removeprefix('model.'): (file, name) for name, file in
+           loaders._safetensors_index(path).items()}  # pylint: disable=protected-access
+  handles = {}
+
+  def read(name: str) -> np.ndarray:
+    if name not in where:
+      raise ValueError(f'DFlash drafter {path} lacks tensor {name!r} (incomplete download?)')
+    file, stored_name = where[name]
     try:
-      with safe_open(file, framework='np') as f:
-        out[name.removeprefix('model.')] = f.get_tensor(name)
+      if file not in handles:
+        handles.clear()
+        handles[file] = safe_open(file, framework='np')
+      return handles[file].get_tensor(stored_name)
     except Exception as e:
-      raise ValueError(f'cannot read {name!r} from {file}: {e} (corrupt or truncated file? '
-                       'download it again)') from e
-  return out
+      raise ValueError(f'cannot read {stored_name!r} from {file}: {e} (corrupt or truncated '
+                       'file? download it again)') from e
+
+  return read
 
 
 def load_folder(path: str, target, dtype: str = 'float32', mesh=None):
@@ -250,21 +260,26 @@ def load_folder(path: str, target, dtype: str = 'float32', mesh=None):
   config = read_config(path)
   dcfg = dataclasses.replace(drafter_config(config, os.path.join(path, CONFIG_FILE)), dtype=dtype)
   check_target(config, dcfg, path, target)
-  tensors = _read_tensors(path)
-  wanted = [f'layers.{i}.{n}' for i in range(dcfg.n_layers) for n in LAYER_NAMES.values()]
-  missing = [n for n in wanted + list(TOP_NAMES.values()) if n not in tensors]
-  if missing:
-    raise ValueError(f'DFlash drafter {path} lacks tensors {missing[:4]}'
-                     f'{" ..." if len(missing) > 4 else ""} (incomplete download?)')
-  stored = str(tensors['fc.weight'].dtype)
-  f32 = {name: np.asarray(x, np.float32) for name, x in tensors.items()}
+  read = _tensor_reader(path)
+  as_param = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype)
   lcfg = dcfg.layer_config(target.cfg.vocab_size)
-  layers = [_layer_from_hf({k: f32[f'layers.{i}.{n}'] for k, n in LAYER_NAMES.items()}, lcfg)
-            for i in range(dcfg.n_layers)]
-  params = {k: f32[n] for k, n in TOP_NAMES.items()}
-  params['final_norm'] = params['final_norm'] * float(_value(config, 'output_multiplier', 1.0))
+  layers = []
+  for i in range(dcfg.n_layers):
+    w = {k: np.asarray(read(f'layers.{i}.{n}'), np.float32) for k, n in LAYER_NAMES.items()}
+    try:
+      lp = _layer_from_hf(w, lcfg)
+    except ValueError as e:  # a reshape that does not fit
+      raise ValueError(f'DFlash drafter {path}: the tensors of layer {i} do not match its '
+                       f'config.json ({e})') from e
+    layers.append({k: as_param(x) for k, x in lp.items()})
+  stored = str(read(TOP_NAMES['fc']).dtype)
+  params = {k: as_param(read(n)) for k, n in TOP_NAMES.items()}
+  multiplier = float(_value(config, 'output_multiplier', 1.0))
+  if multiplier != 1.0:
+    params['final_norm'] = as_param(np.asarray(read(TOP_NAMES['final_norm']), np.float32) *
+                                    multiplier)
   mask_id = int(_value(config, 'mask_token_id'))
-  params['mask_embed'] = np.asarray(target.params['embed'][mask_id], np.float32)
+  params['mask_embed'] = as_param(target.params['embed'][mask_id])
   params['layers'] = layers
   shapes = lambda tree: {jax.tree_util.keystr(k): tuple(np.shape(x))
                          for k, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -276,7 +291,6 @@ def load_folder(path: str, target, dtype: str = 'float32', mesh=None):
   if bad:
     raise ValueError(f'DFlash drafter {path}: tensor shapes do not match its config.json: '
                      f'{"; ".join(bad[:3])}')
-  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
   if mesh is not None:
     from d2sd_jax import sharding  # pylint: disable=import-outside-toplevel
     params = jax.device_put(params, sharding.drafter_shardings(mesh, params))

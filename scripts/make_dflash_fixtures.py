@@ -130,8 +130,8 @@ def train_drafter(drafter, target, steps=800, n_seq=1024, prompt_len=8, new=32, 
         block = seq[rows, a:a + BLOCK].clone()
         labels = block[:, 1:].clone()
         block[:, 1:] = MASK_ID
-        logits = drafter.compute_logits(block_hidden(drafter, target, feats[rows, :a], block)[:, 1:],
-                                        target.lm_head)
+        hidden = block_hidden(drafter, target, feats[rows, :a], block)
+        logits = drafter.compute_logits(hidden[:, 1:], target.lm_head)
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
         opt.zero_grad()
         loss.backward()

@@ -22,6 +22,7 @@ import pytest
 
 import spec_helpers
 from d2sd_jax import checkpoints as ckpt
+from d2sd_jax import decoding
 from d2sd_jax import dflash_format as DF
 from d2sd_jax import drafter as D
 from d2sd_jax import generate as G
@@ -167,6 +168,27 @@ def test_greedy_dflash_matches_reference_loop(target, drafter, ref):
   assert accepted.max() >= 3 and len(set(accepted.tolist())) >= 3
 
 
+def test_decode_path_takes_the_dflash_folder(tmp_path):
+  """decoding.generate (decode.py's and the notebook API's path) with the DFlash folder as
+  drafter 1: the same completion as AR, drafts accepted. The target gets a character-level
+  tokenizer (ids 0..62 = ' '..'^', EOS 63)."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / 'target'
+  shutil.copytree(os.path.join(FIXTURE, 'target'), folder)
+  bpe = tokenizers.Tokenizer(models.BPE(vocab={chr(32 + i): i for i in range(63)}, merges=[]))
+  bpe.add_special_tokens(['<eos>'])
+  bpe.decoder = decoders.Fuse()
+  bpe.save(str(folder / 'tokenizer.json'))
+  (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 63}))
+  tgt = loaders.load_target(str(folder))
+  drafters = {'drafter1': ckpt.load_drafter(DRAFTER_DIR, tgt)[:2]}
+  runs = {m: decoding.generate(tgt, drafters, ['HELLO, WORLD'], decoding.Options(
+      method=m, max_new_tokens=24, chat=False)) for m in ('ar', 'dflash')}
+  assert runs['dflash'][0][0]['completion_ids'] == runs['ar'][0][0]['completion_ids']
+  assert runs['dflash'][1]['gamma'] == 6 and runs['dflash'][1]['tau'] > 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Export
 
@@ -203,6 +225,35 @@ def test_export_import_round_trip_is_exact(target, tmp_path):
   assert dcfg2 == dcfg
   _assert_same_params(params2, params)
   assert meta['target_fingerprint'] == ckpt.target_fingerprint(target)
+
+
+def test_sharded_prefixed_and_bfloat16_folders_load(target, drafter, tmp_path):
+  """A sharded index whose names keep the base-model prefix loads as the single file does; a
+  bfloat16 export loads as the bfloat16-rounded drafter."""
+  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+  _, dparams, _ = drafter
+  folder = tmp_path / 'sharded'
+  folder.mkdir()
+  shutil.copy(os.path.join(DRAFTER_DIR, 'config.json'), folder)
+  tensors = load_file(os.path.join(DRAFTER_DIR, 'model.safetensors'))
+  names = sorted(tensors)
+  shards = {'model-00001-of-00002.safetensors': names[::2],
+            'model-00002-of-00002.safetensors': names[1::2]}
+  weight_map = {}
+  for file, part in shards.items():
+    save_file({f'model.{n}': tensors[n] for n in part}, str(folder / file),
+              metadata={'format': 'pt'})
+    weight_map.update({f'model.{n}': file for n in part})
+  (folder / 'model.safetensors.index.json').write_text(json.dumps({'weight_map': weight_map}))
+  _assert_same_params(ckpt.load_drafter(str(folder), target)[1], dparams)
+
+  dcfg, params = _our_drafter(target, mask_token=17)
+  DF.save_folder(dcfg, params, target, str(tmp_path / 'bf16'), dtype='bfloat16')
+  _, loaded, meta = ckpt.load_drafter(str(tmp_path / 'bf16'), target)
+  assert meta['param_dtype'] == 'bfloat16'
+  rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  rounded['mask_embed'] = params['mask_embed']  # the target's own row, whatever was stored
+  _assert_same_params(loaded, rounded)
 
 
 def test_import_export_reproduces_the_reference_folder(target, ref, tmp_path):
