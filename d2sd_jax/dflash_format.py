@@ -53,8 +53,8 @@ from d2sd_jax import model as model_lib
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
 OFFSET = 1  # our feature layer = DFlash target layer id + OFFSET
-# Our layer tensors -> names inside `layers.{i}.` (q/k/v are packed into wqkv, gate/up into
-# w_gate_up: see `_layer_from_hf`).
+# A DFlash layer's tensors: short name -> name inside `layers.{i}.` (HF's Qwen3 layer; our
+# layer packs q/k/v into wqkv and gate/up into w_gate_up: see `_layer_from_hf`).
 LAYER_NAMES = {
     'input_layernorm': 'input_layernorm.weight',
     'post_attention_layernorm': 'post_attention_layernorm.weight',
