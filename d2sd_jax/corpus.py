@@ -122,7 +122,7 @@ def label_fn(cfg: model_lib.ModelConfig, top_k: int, chunk: int = 128):
       raise ValueError(f'window length {L} must be a multiple of {chunk} (or at most {chunk})')
     hidden_BxLxD, _, _ = model_lib.forward(
         params, cfg, tokens_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)),
-        model_lib.init_cache(cfg, B, L), jnp.zeros((B,), jnp.int32))
+        model_lib.init_cache(cfg, B, L), jnp.zeros((B,), jnp.int32), fresh=True)
     C = min(chunk, L)
     pieces_NxBxCxD = hidden_BxLxD.reshape(B, L // C, C, -1).transpose(1, 0, 2, 3)
 

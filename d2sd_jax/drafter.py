@@ -19,6 +19,7 @@ The context K/V cache has the target cache's layout: per layer {'k', 'v'}: [B, K
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,7 @@ def features_of(hidden_features_BxNxLxD):
 
 def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, tokens_BxQ,
             is_mask_BxQ, positions_BxQ, ctx_cache, ctx_mask, block_mask_BxQxQ,
-            head_only: bool = False, remat: bool = False):
+            head_only: bool = False, remat: bool = False, block_size: int | None = None):
   """Logits [B, Q, V] (float32) for Q block positions (one or several blocks side by side).
   With a head_vocab subset they are -inf outside it; head_only=True returns [B, Q, N], the
   logits of the head's N tokens only (training and denoising: no vocabulary-sized tensors;
@@ -168,7 +169,9 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
 
   ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
   block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
-  denoising is bidirectional). remat=True recomputes each layer's activations in the backward
+  denoising is bidirectional); or None with block_size=G: consecutive blocks of G positions,
+  bidirectional within each, computed block by block (`model.attention`: no [Q, Q] mask, work
+  and memory grow as Q·G, not Q²). remat=True recomputes each layer's activations in the backward
   pass instead of keeping them (training memory for compute).
   """
   lcfg = dcfg.layer_config(tcfg.vocab_size)
@@ -176,7 +179,9 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   x_BxQxD = jnp.where(is_mask_BxQ[..., None], dparams['mask_embed'].astype(x_BxQxD.dtype), x_BxQxD)
   if 'in_proj' in dparams:
     x_BxQxD = jnp.einsum('bqd,wd->bqw', x_BxQxD, dparams['in_proj'])
-  layer = jax.checkpoint(model_lib.layer, static_argnums=(0,)) if remat else model_lib.layer
+  layer = functools.partial(model_lib.layer, block_size=block_size)
+  if remat:
+    layer = jax.checkpoint(layer, static_argnums=(0,))
   for lp, kv in zip(dparams['layers'], ctx_cache):
     x_BxQxD, _ = layer(lcfg, x_BxQxD, lp, kv, positions_BxQ, ctx_mask, block_mask_BxQxQ)
   h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
@@ -219,8 +224,6 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   if Q % G:
     raise ValueError(f'{Q} block positions are not a whole number of gamma={G} blocks')
   nb = Q // G
-  block_of = jnp.repeat(jnp.arange(nb), G)
-  block_mask = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (B, Q, Q))
   V = tcfg.vocab_size
   probs_out = jax.nn.one_hot(tokens_BxQ, V, dtype=jnp.float32)
   conf_out = jnp.ones((B, Q), jnp.float32)
@@ -234,7 +237,7 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   tokens, is_mask = tokens_BxQ, is_mask_BxQ
   for _ in range(steps):
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
-                     ctx_mask_BxS, block_mask, head_only=True)  # [B, Q, N]
+                     ctx_mask_BxS, None, head_only=True, block_size=G)  # [B, Q, N]
     N = logits.shape[-1]
     if forbid_BxQ is not None:
       logits = jnp.where(jnp.arange(N) == forbid_BxQ[..., None], -jnp.inf, logits)

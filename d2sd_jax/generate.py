@@ -68,7 +68,7 @@ def prefill_prompts(params, cfg: model_lib.ModelConfig, settings: GenerationSett
   positions_BxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   hidden_BxPxD, cache, feats = model_lib.forward(
       params, cfg, prompt_BxP, positions_BxP, model_lib.init_cache(cfg, B, cache_size),
-      jnp.zeros((B,), jnp.int32), feature_layers=feature_layers)
+      jnp.zeros((B,), jnp.int32), feature_layers=feature_layers, fresh=True)
   last_BxD = jnp.take_along_axis(hidden_BxPxD, (prompt_len_B - 1)[:, None, None], axis=1)
   logits_BxV = model_lib.logits(params, cfg, last_BxD)[:, 0]
   token_B = sample_rows(logits_BxV, row_key_B, jnp.zeros((B,), jnp.int32), settings.sampling)

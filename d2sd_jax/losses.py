@@ -70,11 +70,12 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
   A, G = anchors_BxA.shape[1], dcfg.gamma
   ctx = drafter_lib.context_kv(dparams, dcfg, features_BxLxF,
                                jnp.broadcast_to(jnp.arange(L), (B, L)))
-  block_of_q = jnp.repeat(jnp.arange(A), G)
+  # Each block sees the context before its anchor, and its own G positions (block_size: no
+  # [A·G, A·G] block-diagonal mask).
   ctx_mask_BxQxL = jnp.arange(L)[None, None, :] < jnp.repeat(anchors_BxA, G, axis=1)[..., None]
-  block_mask = jnp.broadcast_to(block_of_q[:, None] == block_of_q[None, :], (B, A * G, A * G))
   return drafter_lib.forward(dparams, dcfg, tparams, tcfg, tokens_BxQ, is_mask_BxQ,
-                             positions_BxQ, ctx, ctx_mask_BxQxL, block_mask, head_only, remat)
+                             positions_BxQ, ctx, ctx_mask_BxQxL, None, head_only, remat,
+                             block_size=G)
 
 
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,

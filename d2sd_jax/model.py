@@ -213,56 +213,103 @@ def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
   return q_BxTxHxhd, rope_of(k_BxTxHkvxhd), v_BxTxHkvxhd
 
 
+def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree_mask_BxTxT,
+              block_size: int | None = None, fresh: bool = False):
+  """Attention of T new tokens over [cached context ; the new tokens], float32 [B, T, H·hd].
+
+  Three forms, one law (tests/test_model.py checks them against each other):
+  - general: one softmax over the context slots `ctx_mask` allows ([B, S] or [B, T, S]) and the
+    new tokens `tree_mask_BxTxT` allows (a token tree, or causal);
+  - block_size=G (tree_mask None): the new tokens are T/G independent blocks, bidirectional
+    within each (the drafters' blocks side by side). Scores among new tokens are computed per
+    block, [.., T/G, G, G], so memory and work grow as T·G instead of T² (training attends
+    anchors·γ block tokens at once);
+  - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
+    attention among the new tokens alone through `jax.nn.dot_product_attention` (cuDNN's fused
+    kernel on GPUs where it applies, XLA elsewhere) instead of scores against all S empty slots.
+  """
+  B, Hkv, T, hd = k_new_BxHkvxTxhd.shape
+  H = q_BxTxHxhd.shape[2]
+  Hg = H // Hkv
+  cdt = kv['k'].dtype
+  if fresh:
+    if tree_mask_BxTxT is not None or block_size:
+      raise ValueError('fresh attention is causal: give neither tree_mask nor block_size')
+    out_BxTxHxhd = jax.nn.dot_product_attention(
+        q_BxTxHxhd.astype(cdt), k_new_BxHkvxTxhd.transpose(0, 2, 1, 3),
+        v_new_BxHkvxTxhd.transpose(0, 2, 1, 3), is_causal=True)
+    return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
+  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  S = kv['k'].shape[2]
+  neg = jnp.finfo(jnp.float32).min
+  # Query rows per KV head, ordered (Hg, T): the dots are contiguous per (row, head).
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                  .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
+  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
+  scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
+  if block_size:
+    G = block_size
+    nb = T // G
+    if nb * G != T:
+      raise ValueError(f'{T} new tokens are not a whole number of blocks of {G}')
+    q_6 = q_BxHkvxRxhd.reshape(B, Hkv, Hg, nb, G, hd)
+    k_5 = k_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd)
+    ctx_ok = jnp.broadcast_to(ctx_mask_BxTxS, (B, T, S)).reshape(B, 1, 1, nb, G, S)
+    scores = jnp.concatenate(
+        [jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg),
+         dot('bkgnqh,bknth->bkgnqt', q_6, k_5)], axis=-1)  # [B, Hkv, Hg, nb, G, S + G]
+    probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
+    attn_BxHkvxRxhd = (
+        dot('bkgnqs,bksh->bkgnqh', probs[..., :S], kv['v']) +
+        dot('bkgnqt,bknth->bkgnqh', probs[..., S:], v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
+    ).reshape(B, Hkv, Hg * T, hd)
+  else:
+    scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
+    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
+    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
+    mask_BxHkvxRxSplusT = jnp.concatenate(
+        [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
+        axis=-1)
+    scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1).astype(cdt)
+    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
+                       dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
+  return (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
+          .reshape(B, T, Hkv * Hg * hd))
+
+
 def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
-          write_start_B=None):
+          write_start_B=None, block_size: int | None = None, fresh: bool = False):
   """One transformer layer over T new tokens attending to [cached context ; each other].
 
   ctx_mask: [B, S] (every new token sees the same context slots) or [B, T, S].
   write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
   the drafters, whose block tokens are never cached).
+  block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
   """
   B, T, D = x_BxTxD.shape
-  Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  hd = cfg.head_dim
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
   q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
-
+  # The new tokens' K/V in the cache's dtype before anything reads them: a token verified in a
+  # tree sees its ancestors' keys exactly as it would read them from the cache one step later.
+  cdt = kv['k'].dtype
+  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
+  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
   # Attention over [committed context in the cache ; the T new tokens], one softmax: the
   # context part reads the cache as it was, so the write below is the cache's only update and
   # XLA does it in place (attending through the freshly written cache made it copy the whole
   # layer cache several times per step).
-  # The new tokens' K/V in the cache's dtype before anything reads them: a token verified in a
-  # tree sees its ancestors' keys exactly as it would read them from the cache one step later.
-  # Dots take the cache in its dtype and accumulate in float32.
-  cdt = kv['k'].dtype
-  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
-  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
-  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
-                  .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
-  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-  scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
-  scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
-  S = scores_ctx_BxHkvxRxS.shape[-1]
-  mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
-  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
-  ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
-  mask_BxHkvxRxSplusT = jnp.concatenate(
-      [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
-      axis=-1)
-  scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
-  probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, jnp.finfo(jnp.float32).min),
-                         axis=-1)
-  attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
-                     dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
-  attn_BxTxE = (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
-                .reshape(B, T, Hkv * Hg * hd).astype(x_BxTxD.dtype))
+  attn_BxTxE = attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
+                         tree_mask_BxTxT, block_size, fresh)
   new_kv = kv
   if write_start_B is not None:
     # Order the write after the reads: XLA only updates the cache in place when the written
     # value depends on what read the old cache (an optimization barrier is not enough);
     # otherwise it copies the whole layer cache every step. `0 *` keeps the values.
-    after_reads_BxHkvxTxhd = 0.0 * attn_BxHkvxRxhd[:, :, :T].astype(k_new_BxHkvxTxhd.dtype)
-    new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_BxHkvxTxhd, write_start_B),
-              'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_BxHkvxTxhd, write_start_B)}
+    after_reads_Bx1xTxhd = 0.0 * attn_BxTxE[:, None, :, :hd].astype(cdt)
+    new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B),
+              'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B)}
   x_BxTxD = x_BxTxD + _linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
@@ -274,7 +321,7 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
 
 def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
             cache: Cache, cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array | None = None,
-            feature_layers: tuple[int, ...] = ()):
+            feature_layers: tuple[int, ...] = (), fresh: bool = False):
   """Runs T new tokens per row after each row's cached context.
 
   Args:
@@ -287,13 +334,15 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
       default causal. Rows must allow the diagonal.
     feature_layers: hidden states to return, Hugging Face numbering (0 = embeddings, l = output
       of layer l).
+    fresh: the cache holds nothing yet (prefill from cache_len 0, teacher features): causal
+      attention among the new tokens only (`attention`), not against every empty slot.
 
   Returns:
     (hidden_BxTxD after the final norm, updated cache, features_BxTxLfxD or None)
   """
   B, T = tokens_BxT.shape
   S = cache[0]['k'].shape[2]
-  if tree_mask_BxTxT is None:
+  if tree_mask_BxTxT is None and not fresh:
     tree_mask_BxTxT = causal_mask(B, T)
   ctx_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
   x_BxTxD = params['embed'][tokens_BxT].astype(jnp.float32)
@@ -303,7 +352,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   states, new_cache = [x_BxTxD], []
   for lp, kv in zip(params['layers'], cache):
     x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, ctx_mask_BxS, tree_mask_BxTxT,
-                        write_start_B=cache_len_B)
+                        write_start_B=cache_len_B, fresh=fresh)
     new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None

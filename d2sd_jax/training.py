@@ -127,7 +127,7 @@ def target_features(tparams, tcfg, dcfg, tokens_BxL):
   _, _, feats = model_lib.forward(tparams, tcfg, tokens_BxL,
                                   jnp.broadcast_to(jnp.arange(L), (B, L)),
                                   model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
-                                  feature_layers=dcfg.feature_layers)
+                                  feature_layers=dcfg.feature_layers, fresh=True)
   return drafter_lib.features_of(feats)
 
 

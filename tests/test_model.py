@@ -129,3 +129,52 @@ def test_invalid_model_config():
   with pytest.raises(ValueError, match='dtype'):
     M.ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=4,
                   d_ff=8, dtype='float16')
+
+
+def _attention_inputs(key, B=2, T=12, H=4, Hkv=2, hd=8, S=10, dtype=jnp.float32):
+  ks = jax.random.split(key, 5)
+  q = jax.random.normal(ks[0], (B, T, H, hd))
+  k_new, v_new = (jax.random.normal(k, (B, Hkv, T, hd)).astype(dtype) for k in ks[1:3])
+  kv = {'k': jax.random.normal(ks[3], (B, Hkv, S, hd)).astype(dtype),
+        'v': jax.random.normal(ks[4], (B, Hkv, S, hd)).astype(dtype)}
+  return q, k_new, v_new, kv
+
+
+def test_blockwise_attention_equals_the_dense_block_diagonal_mask():
+  """block_size=G computes exactly what a dense block-diagonal [T, T] mask gives (per-position
+  context lengths, as training's anchors make them), without that mask."""
+  B, T, G, S = 2, 12, 4, 10
+  q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(0), B=B, T=T, S=S)
+  ctx_len_BxT = jax.random.randint(jax.random.PRNGKey(1), (B, T), 1, S + 1)
+  ctx_mask = jnp.arange(S)[None, None, :] < ctx_len_BxT[..., None]
+  block_of = jnp.arange(T) // G
+  dense = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (B, T, T))
+  ref = M.attention(q, k_new, v_new, kv, ctx_mask, dense)
+  got = M.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=G)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  # a wrong block size is a different law (the test can tell)
+  other = M.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=T // 2 if G != T // 2 else 2)
+  assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_fresh_attention_equals_causal_attention_over_an_empty_cache(dtype):
+  """fresh=True (jax.nn.dot_product_attention, causal among the new tokens) = the general form
+  with every cache slot masked out."""
+  B, T, S = 2, 12, 16
+  q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(2), B=B, T=T, S=S, dtype=dtype)
+  ref = M.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), M.causal_mask(B, T))
+  got = M.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), None, fresh=True)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def test_prefill_through_fresh_attention_equals_the_general_form(tiny):
+  """forward(fresh=True) writes the same cache and gives the same hidden states and features."""
+  cfg, params = tiny
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 9), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  outs = [M.forward(params, cfg, tokens, pos, M.init_cache(cfg, 2, 16), jnp.zeros((2,), jnp.int32),
+                    feature_layers=(0, 1, 2), fresh=fresh) for fresh in (False, True)]
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
