@@ -330,3 +330,57 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
 
   with pytest.raises(ValueError, match='was trained for target'):
     decode(method='dflash', target=another_target(tiny_folder, tmp_path))
+
+
+def test_memory_arithmetic_counts_parameters_exactly(tiny_folder, distill_dir, tmp_path):
+  """d2sd_jax.memory: on a 1x1 mesh the parameter and optimizer bytes are the real ones; the
+  model axis divides what the sharding rules split; micro-batches shrink the activations."""
+  from d2sd_jax import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
+  from d2sd_jax import loaders, memory  # pylint: disable=import-outside-toplevel
+  c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run'))
+  target = loaders.load_target(tiny_folder)
+  one = memory.training_memory(c, target.cfg, 1, 1)
+  assert one['target weights'] == sum(x.nbytes for x in jax.tree.leaves(target.params))
+  dparams = drafter_lib.init_params(training.drafter_config(c), target.cfg, jax.random.PRNGKey(0))
+  trainable = drafter_lib.split_fixed(dparams)[0]
+  assert one['drafter float32 master weights'] == sum(x.size * 4 for x in
+                                                      jax.tree.leaves(trainable))
+  assert one['Adam moments (2 x float32)'] == 2 * one['drafter float32 master weights']
+  two = memory.training_memory(c, target.cfg, 1, 2)
+  assert 0.5 * one['target weights'] < two['target weights'] < 0.75 * one['target weights']
+  c.train.update(batch_size=4, grad_accum=2)
+  c.train.remat = True
+  small = memory.training_memory(c, target.cfg, 1, 1)
+  assert small['target features kept'] < one['target features kept']
+  assert small['drafter activations kept for backward'] < one[
+      'drafter activations kept for backward']
+
+
+def test_the_readme_pod_recipe_is_valid_and_fits_a_v5e_chip():
+  """The README's pod recipe, flag for flag: a valid training config for Qwen3-8B's shapes whose
+  per-chip memory (d2sd_jax.memory, 4x8 mesh) leaves half of a 16 GiB v5e chip free."""
+  import ast  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  from d2sd_jax import costmodel, memory  # pylint: disable=import-outside-toplevel
+  readme = open(os.path.join(ROOT, 'README.md')).read()
+  recipe = readme.split('**The pod recipe**', 1)[1].split('```bash', 1)[1].split('```', 1)[0]
+  c = drafter1_config.get_config()
+  flags = re.findall(r"--config\.([\w.]+)=('[^']*'|\S+)", recipe)
+  assert len(flags) >= 15
+  for field, value in flags:
+    value = value.strip("'")
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass  # a string such as a path or a dtype
+    node = c
+    *path, last = field.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = value
+  training.validate(c)
+  tcfg = costmodel.TARGETS['qwen3-8b']
+  training.drafter_config(c).check_target(tcfg)
+  assert c.train.batch_size % (4 * c.train.grad_accum) == 0
+  total = sum(memory.training_memory(c, tcfg, 4, 8).values())
+  assert total < 8 * memory.GiB, total / memory.GiB
