@@ -27,9 +27,16 @@ def get_config():
   c.drafter.head_vocab = 8192  # the drafter predicts only the data's 8192 likeliest tokens (0: all)
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = 'shards'  # 'shards' (gzip JSONL from d2sd_jax.distill) or 'tfds'
-  c.data.path = 'data/distill'  # shards from python -m d2sd_jax.distill (target responses)
+  # 'shards' (gzip JSONL from d2sd_jax.distill: the target's own responses, the best labels),
+  # 'tfds' (any TFDS dataset prepared as array_record: token records, or text to bootstrap from)
+  # or 'conversations' (a JSONL of ShareGPT / OpenAI conversations: its assistant turns)
+  c.data.source = 'shards'
+  c.data.path = 'data/distill'  # 'shards': the folder; 'conversations': the JSONL file
   c.data.tfds_dir = 'data/tfds'  # python -m d2sd_jax.tfds_data --shards data/distill --data_dir ...
+  c.data.tfds_name = 'd2sd_distill'  # the TFDS dataset (name[/config][:version]) in tfds_dir
+  c.data.tfds_split = 'train'  # its split (the eval set is held out of it by record id)
+  c.data.text_field = 'text'  # a dataset without prompt_ids/response_ids: its text feature
+  c.data.prefetch = 2  # batches each host reads ahead in grain threads (0: in the train loop)
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
   c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
   c.data.features_dir = ''  # precomputed teacher features ('' = workdir/features); runs share it

@@ -14,6 +14,12 @@ so far with its own earlier replies (the file's assistant turns are dropped). Th
 learns what the target itself says at every turn of such conversations, the way it is served;
 the cost is that a later user turn may answer a reply the target did not give. A `turns` file
 has no replies at all, so it could not be read any other way.
+
+Training on a file directly (`data.source='conversations'`, `data.ConversationsSource`) keeps
+the file's own assistant turns instead (`Conversation.dialogue`): each one is a label sequence,
+asked with the conversation before it. That teaches the drafter someone else's replies, so
+distilled shards train better drafters; a `turns` or `prompt` line has no reply to learn and
+must be distilled first.
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ class Conversation:
   chat: bool = True  # False: one plain-text prompt (no chat template)
   style: str = 'prompt'  # the line's format: prompt, sharegpt, messages, turns
   source: str = ''  # file:line
+  # The file's messages after the system message, replies included: ((role, text), ...).
+  # Distillation ignores the replies; training on the file learns them.
+  dialogue: tuple[tuple[str, str], ...] = ()
 
   def messages(self, replies) -> list[dict]:
     """The chat messages that ask for assistant turn len(replies), given the earlier replies."""
@@ -48,6 +57,13 @@ class Conversation:
       if reply is not None:
         msgs.append({'role': 'assistant', 'content': reply})
     return msgs
+
+  def reply_prompts(self) -> list[tuple[list[dict], str]]:
+    """[(the chat messages before assistant turn k, its text)] for every assistant turn of the
+    file: what training on the file's own replies learns (empty for `turns` and `prompt`)."""
+    head = [{'role': 'system', 'content': self.system}] if self.system is not None else []
+    return [(head + [{'role': r, 'content': t} for r, t in self.dialogue[:j]], text)
+            for j, (role, text) in enumerate(self.dialogue) if role == 'assistant']
 
 
 def _text(value, what: str) -> str:
@@ -111,25 +127,38 @@ def parse(obj) -> Conversation:
     raise ValueError('"chat": false is only for a single "prompt"')
   content = json.dumps([system, users, chat])
   conv_id = obj.get('id', hashlib.sha256(content.encode()).hexdigest()[:16])
-  return Conversation(id=str(conv_id), user_turns=users, system=system, chat=chat, style=style)
+  return Conversation(id=str(conv_id), user_turns=users, system=system, chat=chat, style=style,
+                      dialogue=tuple(turns))
 
 
-def read(path: str) -> list[Conversation]:
-  """Every conversation of a JSONL prompt file, in file order."""
-  convs = []
+def parse_line(line: bytes, where: str) -> Conversation:
+  """One raw line of a JSONL file (ValueError prefixed with `where`, e.g. 'file:12')."""
+  try:
+    conv = parse(json.loads(line.decode('utf-8')))
+  except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+    raise ValueError(f'{where}: {e}') from e
+  return dataclasses.replace(conv, source=where)
+
+
+def scan(path: str):
+  """(line number, byte offset, byte length, Conversation) of every non-blank line, in file
+  order: one pass that validates the whole file and tells where each line is, so a reader can
+  come back for a line (os.pread) without keeping the file in memory."""
   try:
     f = open(path, 'rb')  # bytes: a line that is not UTF-8 is reported with its number
   except FileNotFoundError as e:
     raise FileNotFoundError(f'prompt file {path!r} not found') from e
   with f:
+    offset = 0
     for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        conv = parse(json.loads(line.decode('utf-8')))
-      except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-        raise ValueError(f'{path}:{n}: {e}') from e
-      convs.append(dataclasses.replace(conv, source=f'{path}:{n}'))
+      if line.strip():
+        yield n, offset, len(line), parse_line(line, f'{path}:{n}')
+      offset += len(line)
+
+
+def read(path: str) -> list[Conversation]:
+  """Every conversation of a JSONL prompt file, in file order."""
+  convs = [conv for _, _, _, conv in scan(path)]
   if not convs:
     raise ValueError(f'{path}: no prompts')
   return convs

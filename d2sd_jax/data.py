@@ -1,12 +1,32 @@
-"""Training sequences for the drafters: the target's own responses (see `distill.py`).
+"""Training windows for the drafters, read on demand from a random-access source of records.
 
-A record (prompt_ids, response_ids) becomes one fixed-length window of prompt + response with a
-label mask over the response tokens (the target's outputs: the only positions whose labels are
-what verification will compare against). Batches are a pure function of (seed, step), so a run
-resumed at step t sees exactly the batches an uninterrupted run would.
+A record (prompt_ids, response_ids) becomes one fixed-length window of prompt tail + response
+with a label mask over the response tokens: the positions whose labels are what verification
+will compare against. The best labels are the target's own outputs (`distill.py`): a drafter
+learns the behaviour it will be verified against (DESIGN §3). Sources (`data.source`):
+
+  'shards'         `ShardsSource`: the gzip JSONL shards of `python -m d2sd_jax.distill`
+  'tfds'           `tfds_data.TfdsSource`: any TFDS dataset prepared as array_record, either
+                   token records (prompt_ids/response_ids, e.g. `tfds_data`'s d2sd_distill
+                   copy of the shards) or text (every token a label: teacher-forced text, to
+                   bootstrap a drafter where no distilled responses exist yet)
+  'conversations'  `ConversationsSource`: a JSONL of ShareGPT / OpenAI conversations; the file's
+                   assistant turns are the labels (someone else's replies, not the target's:
+                   distilling the file first, `python -m d2sd_jax.distill --prompts FILE`,
+                   trains better drafters)
+
+Every source is random access (len, [i]), so a host reads only the records of its own rows of
+each batch (`grain_data`). At start-up each host makes one pass over the records' ids to fix
+the held-out split (a hash of the id, so it is the same on every host and for every format of
+the same records); that pass also validates every record, so a malformed one stops the run
+before training with the file and line. Only indices are kept, never tokens.
+
+The windows of a split are numbered in record order; the batch of step t is a pure function of
+(seed, t) (`SequenceData.indices`): epoch e = t*B // N uses permutation(seed, e).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import hashlib
@@ -15,27 +35,18 @@ import os
 
 import numpy as np
 
+from d2sd_jax import conversations
 
-def read_records(path: str) -> list[dict]:
-  """All records of the distillation shards under `path` (sorted, deterministic)."""
-  files = sorted(glob.glob(os.path.join(path, 'shard-*.jsonl.gz')))
-  if not files:
-    raise FileNotFoundError(f'no distillation shards (shard-*.jsonl.gz) in {path!r}: generate '
-                            'them with python -m d2sd_jax.distill --out ' + path)
-  records = []
-  for file in files:
-    try:
-      with gzip.open(file, 'rt') as f:
-        records.extend(json.loads(line) for line in f if line.strip())
-    except (OSError, json.JSONDecodeError, EOFError) as e:
-      raise ValueError(f'corrupt distillation shard {file}: {e}; delete it and rerun '
-                       'd2sd_jax.distill to regenerate it') from e
-  return records
+# head_vocab counts token frequencies over at most this many training windows (a fixed random
+# sample beyond it, the same on every host so that all hosts choose the same head).
+COUNT_WINDOWS = 50_000
 
 
 def window(prompt_ids, response_ids, seq_len: int, pad_id: int, min_context: int = 32):
   """(tokens [seq_len], label_mask [seq_len]): as much response as fits after >= min_context
-  prompt tokens (fewer if the prompt is shorter)."""
+  prompt tokens (fewer if the prompt is shorter; at most half the window, so that a long prompt
+  still leaves room for labels)."""
+  min_context = min(min_context, seq_len // 2)
   total = list(prompt_ids) + list(response_ids)
   start = max(0, min(len(prompt_ids) - min_context, len(total) - seq_len))
   tokens = np.full(seq_len, pad_id, np.int32)
@@ -46,46 +57,256 @@ def window(prompt_ids, response_ids, seq_len: int, pad_id: int, min_context: int
   return tokens, label
 
 
+def check_ids(value, what: str, vocab_size: int | None) -> list[int]:
+  """A list of token ids (ValueError saying what is wrong)."""
+  if not isinstance(value, list) or not all(type(t) is int for t in value):
+    raise ValueError(f'"{what}" must be a list of integer token ids')
+  if value and (min(value) < 0 or (vocab_size is not None and max(value) >= vocab_size)):
+    bad = min(value) if min(value) < 0 else max(value)
+    raise ValueError(f'"{what}" has token id {bad}, outside the target\'s vocabulary of '
+                     f'{vocab_size} (made for another target?)')
+  return value
+
+
+def shard_files(path: str) -> list[str]:
+  """The distillation shards under `path`, sorted (the record order)."""
+  files = sorted(glob.glob(os.path.join(path, 'shard-*.jsonl.gz')))
+  if not files:
+    raise FileNotFoundError(f'no distillation shards (shard-*.jsonl.gz) in {path!r}: generate '
+                            'them with python -m d2sd_jax.distill --out ' + path)
+  return files
+
+
+class ShardsSource:
+  """The records of the distillation shards under `path`, by index (file order, line order).
+
+  gzip cannot seek, so a record is read by decompressing its shard (a few recently used shards
+  are kept): shards are small (`distill.py --shard_size`, 64 records), and on a pod the TFDS
+  copy (`tfds_data`, array_record) reads single records."""
+
+  def __init__(self, path: str, vocab_size: int | None = None):
+    self.path, self.vocab_size = path, vocab_size
+    self.files = shard_files(path)
+    self._lines = functools.lru_cache(maxsize=8)(self._read_lines)
+    self._where = np.zeros((0, 2), np.int64)  # per record: (file, line number); set by index()
+
+  def _read_lines(self, f: int) -> list[bytes]:
+    try:
+      with gzip.open(self.files[f], 'rb') as fh:
+        return fh.read().split(b'\n')
+    except (OSError, EOFError) as e:
+      raise ValueError(f'corrupt distillation shard {self.files[f]}: {e}; delete it and rerun '
+                       'd2sd_jax.distill to regenerate it') from e
+
+  def _record(self, f: int, n: int) -> dict:
+    """Line n (1-based) of file f, parsed and checked (ValueError naming file and line)."""
+    try:
+      r = json.loads(self._lines(f)[n - 1])
+      if not isinstance(r, dict):
+        raise ValueError(f'expected a JSON object, got {type(r).__name__}')
+      missing = [k for k in ('id', 'prompt_ids', 'response_ids') if k not in r]
+      if missing:
+        raise ValueError(f'no {", ".join(missing)} field (a distillation record has id, '
+                         'prompt_ids, response_ids)')
+      for k in ('prompt_ids', 'response_ids'):
+        check_ids(r[k], k, self.vocab_size)
+    except ValueError as e:
+      raise ValueError(f'{self.files[f]}:{n}: {e}; delete the shard and rerun d2sd_jax.distill '
+                       'to regenerate it') from e
+    return r
+
+  def index(self):
+    ids, has_response, where = [], [], []
+    for f in range(len(self.files)):
+      for n, line in enumerate(self._lines(f), 1):
+        if line.strip():
+          r = self._record(f, n)
+          ids.append(str(r['id']))
+          has_response.append(bool(r['response_ids']))
+          where.append((f, n))
+    self._where = np.asarray(where, np.int64).reshape(-1, 2)
+    return ids, np.asarray(has_response, bool)
+
+  def __len__(self):
+    return len(self._where)
+
+  def __getitem__(self, i: int):
+    r = self._record(*map(int, self._where[i]))
+    return r['prompt_ids'], r['response_ids']
+
+
+class ListSource:
+  """Records already in memory (dicts with id, prompt_ids, response_ids): tests, notebooks."""
+
+  def __init__(self, records: list[dict]):
+    self.records = records
+
+  def index(self):
+    return ([str(r['id']) for r in self.records],
+            np.asarray([bool(r['response_ids']) for r in self.records], bool))
+
+  def __len__(self):
+    return len(self.records)
+
+  def __getitem__(self, i: int):
+    return self.records[i]['prompt_ids'], self.records[i]['response_ids']
+
+
+class ConversationsSource:
+  """The assistant turns of a JSONL conversation file (ShareGPT `conversations`, OpenAI
+  `messages`), one record per turn: the prompt is the conversation before it in the target's
+  chat template, the response its text + the target's EOS. Records keep their line's place in
+  the file (os.pread), not its text."""
+
+  def __init__(self, path: str, tokenizer):
+    self.path, self.tok = path, tokenizer
+    if not tokenizer.chat_template:
+      raise ValueError(f'data.source=conversations: the target\'s tokenizer has no chat '
+                       f'template to render {path} with')
+    self._where = np.zeros((0, 3), np.int64)  # per record: (offset, length, turn); by index()
+
+  def index(self):
+    ids, where = [], []
+    for n, offset, length, conv in conversations.scan(self.path):
+      replies = conv.reply_prompts()
+      if not replies:
+        raise ValueError(
+            f'{self.path}:{n}: a "{conv.style}" line has no assistant reply to train on. '
+            f'Distill the file first (the target writes the replies): python -m '
+            f'd2sd_jax.distill --prompts {self.path} --out DIR, then train with '
+            f'data.source=shards and data.path=DIR')
+      for k in range(len(replies)):
+        ids.append(f'{conv.id}:{k}')  # as distill.py names turns
+        where.append((offset, length, k))
+    if not ids:
+      raise ValueError(f'{self.path}: no conversations')
+    self._where = np.asarray(where, np.int64)
+    return ids, None
+
+  def __len__(self):
+    return len(self._where)
+
+  def __getitem__(self, i: int):
+    offset, length, k = map(int, self._where[i])
+    fd = os.open(self.path, os.O_RDONLY)
+    try:
+      line = os.pread(fd, length, offset)
+    finally:
+      os.close(fd)
+    messages, reply = conversations.parse_line(line, self.path).reply_prompts()[k]
+    prompt = self.tok.encode(self.tok.render_chat(messages), add_bos=False)
+    return prompt, self.tok.encode(reply, add_bos=False) + [self.tok.eos_ids[0]]
+
+
+def read_records(path: str) -> list[dict]:
+  """All records of the distillation shards under `path` (sorted, deterministic), in memory:
+  for notebooks and tests; training reads through `ShardsSource`."""
+  source = ShardsSource(path)
+  source.index()
+  return [source._record(*map(int, w)) for w in source._where]  # pylint: disable=protected-access
+
+
+def _held_out_ids(ids: list[str], fraction: float) -> np.ndarray:
+  return np.asarray([int(hashlib.sha256(i.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+                     for i in ids], bool)
+
+
+def _held_out_indices(n: int, fraction: float) -> np.ndarray:
+  """For records without ids (text): a hash of the index (splitmix64), vectorised for
+  datasets of millions of examples."""
+  with np.errstate(over='ignore'):
+    z = np.arange(n, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+  return (z >> np.uint64(32)).astype(np.float64) / 2**32 < fraction
+
+
+@functools.lru_cache(maxsize=4)
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+  """The order of epoch `epoch` (cached: every batch of an epoch reads it)."""
+  perm = np.random.default_rng([seed, epoch]).permutation(n)
+  perm.flags.writeable = False
+  return perm
+
+
 class SequenceData:
-  """Fixed-length training/eval windows, split by record id (eval_fraction of ids held out)."""
+  """Fixed-length training/eval windows over a record source, split by record id
+  (eval_fraction of ids held out); windows are read and cut on demand (`example`)."""
 
-  def __init__(self, records: list[dict], seq_len: int, pad_id: int, eval_fraction: float):
-    def held_out(r):
-      return int(hashlib.sha256(str(r['id']).encode()).hexdigest()[:8], 16) / 2**32 < eval_fraction
-
-    split = {'train': [], 'eval': []}
-    for r in records:
-      if r['response_ids']:
-        split['eval' if held_out(r) else 'train'].append(window(r['prompt_ids'], r['response_ids'],
-                                                                seq_len, pad_id))
-    if not split['train']:
+  def __init__(self, source, seq_len: int, pad_id: int, eval_fraction: float):
+    self.source = ListSource(source) if isinstance(source, list) else source
+    self.seq_len, self.pad_id = seq_len, pad_id
+    ids, has_response = self.source.index()
+    n = len(self.source)
+    held = (_held_out_indices(n, eval_fraction) if ids is None else
+            _held_out_ids(ids, eval_fraction))
+    ok = np.ones(n, bool) if has_response is None else has_response
+    self.records = {'train': np.flatnonzero(ok & ~held), 'eval': np.flatnonzero(ok & held)}
+    if not self.size('train'):
       raise ValueError('no training sequences: generate more distillation data')
-    self.tokens = {k: np.stack([t for t, _ in v]) if v else np.zeros((0, seq_len), np.int32)
-                   for k, v in split.items()}
-    self.labels = {k: np.stack([m for _, m in v]) if v else np.zeros((0, seq_len), bool)
-                   for k, v in split.items()}
 
   def size(self, split: str = 'train') -> int:
-    return len(self.tokens[split])
+    return len(self.records[split])
+
+  def window(self, split: str, i: int):
+    """(tokens [L], labels [L]) of window i of `split`."""
+    prompt_ids, response_ids = self.source[int(self.records[split][i])]
+    return window(prompt_ids, response_ids, self.seq_len, self.pad_id)
+
+  def example(self, split: str, i: int) -> dict:
+    """Window i as grain batches it; `index` finds its precomputed features."""
+    tokens, labels = self.window(split, i)
+    return {'tokens': tokens, 'labels': labels, 'index': np.int64(i)}
+
+  def arrays(self, split: str):
+    """(tokens [N, L], labels [N, L]) of every window of `split`: the whole split in memory,
+    for the precomputed-features recipe (one host, a small set)."""
+    pairs = [self.window(split, i) for i in range(self.size(split))]
+    L = self.seq_len
+    return (np.stack([t for t, _ in pairs]) if pairs else np.zeros((0, L), np.int32),
+            np.stack([m for _, m in pairs]) if pairs else np.zeros((0, L), bool))
 
   def indices(self, step: int, batch_size: int, seed: int, split: str = 'train') -> np.ndarray:
-    """Which sequences make the batch of `step`: epoch e = step*B // N uses
+    """Which windows make the global batch of `step`: epoch e = step*B // N uses
     permutation(seed, e)."""
     n = self.size(split)
-    idx = []
-    for i in range(step * batch_size, (step + 1) * batch_size):
-      epoch, pos = divmod(i, n)
-      perm = np.random.default_rng([seed, epoch]).permutation(n)
-      idx.append(perm[pos])
-    return np.asarray(idx)
+    return np.asarray([permutation(n, seed, i // n)[i % n]
+                       for i in range(step * batch_size, (step + 1) * batch_size)])
 
-  def batch(self, step: int, batch_size: int, seed: int, split: str = 'train'):
-    idx = self.indices(step, batch_size, seed, split)
-    return self.tokens[split][idx], self.labels[split][idx]
-
-  def token_counts(self, vocab_size: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(response, prompt) token counts [V] over the training windows (head_vocab choice)."""
-    tokens, labels = self.tokens['train'], self.labels['train']
-    response = np.bincount(tokens[labels], minlength=vocab_size)
-    prompt = np.bincount(tokens[~labels & (tokens != pad_id)], minlength=vocab_size)
+  def token_counts(self, vocab_size: int, pad_id: int,
+                   max_windows: int = COUNT_WINDOWS) -> tuple[np.ndarray, np.ndarray]:
+    """(response, prompt) token counts [V] over the training windows (head_vocab choice): all
+    of them up to max_windows, else a fixed sample of max_windows (the same on every host)."""
+    n = self.size('train')
+    picked = (range(n) if n <= max_windows else
+              np.sort(np.random.default_rng(0).choice(n, max_windows, replace=False)))
+    response = np.zeros(vocab_size, np.int64)
+    prompt = np.zeros(vocab_size, np.int64)
+    for i in picked:  # in order: a shard is decompressed once for all its records
+      tokens, labels = self.window('train', i)
+      response += np.bincount(tokens[labels], minlength=vocab_size)
+      prompt += np.bincount(tokens[~labels & (tokens != pad_id)], minlength=vocab_size)
     return response, prompt
+
+
+SOURCES = ('shards', 'tfds', 'conversations')
+
+
+def from_config(data_config, tokenizer, vocab_size: int) -> SequenceData:
+  """The windows of a training config's `data` group, read with the target's tokenizer."""
+  source = data_config.source
+  if source == 'shards':
+    records = ShardsSource(data_config.path, vocab_size)
+  elif source == 'conversations':
+    records = ConversationsSource(data_config.path, tokenizer)
+  elif source == 'tfds':
+    from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
+    records = tfds_data.TfdsSource(
+        data_config.tfds_dir, data_config.get('tfds_name', tfds_data.NAME),
+        data_config.get('tfds_split', 'train'), data_config.get('text_field', 'text'),
+        tokenizer, data_config.seq_len, vocab_size)
+  else:
+    raise ValueError(f'data.source={source!r}: use one of {SOURCES}')
+  return SequenceData(records, data_config.seq_len, tokenizer.pad_id,
+                      data_config.eval_fraction)

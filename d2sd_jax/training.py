@@ -3,10 +3,11 @@
 The frozen target's context features come either from inside the jitted step or, with
 `train.precompute_features` (the CPU recipe), from a float16 file computed once. Anchors (and,
 for the VP drafter, prefix lengths) are drawn from fold_in(seed, step), and the batch of step t
-is a pure function of (seed, t): an interrupted run (or one stopped by SIGTERM / SIGINT, which
-saves first) resumed from its checkpoint ends with exactly the parameters of an uninterrupted
-one. Checkpoints are Orbax (params, optimizer state, step) plus JSON metadata naming the target
-they were trained for. The step runs over a ('data', 'model') mesh (`d2sd_jax.sharding`).
+is a pure function of (seed, t), read per host through a grain pipeline (`grain_data`): an
+interrupted run (or one stopped by SIGTERM / SIGINT, which saves first) resumed from its
+checkpoint ends with exactly the parameters of an uninterrupted one. Checkpoints are Orbax
+(params, optimizer state, the data iterator's position, step) plus JSON metadata naming the
+target they were trained for. The step runs over a ('data', 'model') mesh (`d2sd_jax.sharding`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from d2sd_jax import checkpoints as ckpt
 from d2sd_jax import config_check
 from d2sd_jax import data as data_lib
 from d2sd_jax import drafter as drafter_lib
+from d2sd_jax import grain_data
 from d2sd_jax import loaders
 from d2sd_jax import losses
 from d2sd_jax import model as model_lib
@@ -58,8 +60,10 @@ def validate(config) -> None:
   for name in ('batch_size', 'anchors_per_seq', 'steps'):
     if t[name] < 1:
       raise ValueError(f'train.{name}={t[name]} must be >= 1')
-  if config.data.source not in ('shards', 'tfds'):
-    raise ValueError(f"data.source={config.data.source!r}: use 'shards' or 'tfds'")
+  if config.data.source not in data_lib.SOURCES:
+    raise ValueError(f'data.source={config.data.source!r}: use one of {data_lib.SOURCES}')
+  if config.data.get('prefetch', 0) < 0:
+    raise ValueError(f'data.prefetch={config.data.prefetch} must be >= 0')
   if config.data.seq_len <= config.drafter.gamma:
     raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
                      f'{config.drafter.gamma}')
@@ -264,13 +268,8 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
   dcfg = drafter_config(config)
   dcfg.check_target(target.cfg)
-  if config.data.source == 'tfds':  # the prepared TFDS copy (python -m d2sd_jax.tfds_data)
-    from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
-    records = tfds_data.read_records(config.data.tfds_dir)
-  else:
-    records = data_lib.read_records(config.data.path)
-  data = data_lib.SequenceData(records, config.data.seq_len, target.tokenizer.pad_id,
-                               config.data.eval_fraction)
+  # Every record is checked here, before training: a malformed one names its file and line.
+  data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size)
   opt = optimizer(config)
   train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
 
@@ -283,6 +282,11 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
         *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
   dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
   init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))  # follows p's sharding
+  rows = sharding.process_rows(config.train.batch_size)
+  train_batches = grain_data.iterator(
+      grain_data.batches(data, 'train', config.train.batch_size, config.train.seed, rows,
+                         max(config.train.steps, manager.latest_step() or 0)),
+      config.data.get('prefetch', 2))
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
@@ -293,8 +297,10 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
         meta=ocp.args.JsonRestore()))['meta']
     if 'confidence_temperature' in saved_meta:
       meta['confidence_temperature'] = saved_meta['confidence_temperature']
+    data_from = grain_data.restore(manager, start, train_batches)
     if chief:
-      print(f'resumed from step {start}', flush=True)
+      print(f'resumed from step {start}' + ('' if data_from == 'checkpoint' else
+                                            ' (data position from the step)'), flush=True)
   else:
     if config.get('init_from'):
       dparams = initial_params(config.init_from, target, dcfg, dparams)
@@ -306,23 +312,27 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   if config.train.get('precompute_features'):
     for split in feats:
       if data.size(split):
-        feats[split] = precompute_features(target, dcfg, data.tokens[split],
+        feats[split] = precompute_features(target, dcfg, data.arrays(split)[0],
                                            os.path.join(features_dir, split),
                                            progress=config.progress_bar and chief)
 
-  rows = sharding.process_rows(config.train.batch_size)
+  def on_device(batch, split):
+    """This process's rows of a global batch (from grain) as arrays sharded over 'data'; the
+    features of its windows looked up by window index."""
+    f = None if feats[split] is None else sharding.global_batch(
+        mesh, np.asarray(feats[split][batch['index']]))
+    return (sharding.global_batch(mesh, batch['tokens']),
+            sharding.global_batch(mesh, batch['labels']), f)
 
-  def batch_of(step, split='train', seed=config.train.seed):
-    """This process's rows of the global batch of `step`, as arrays sharded over 'data'."""
-    idx = data.indices(step, config.train.batch_size, seed, split)[rows]
-    f = None if feats[split] is None else sharding.global_batch(mesh, np.asarray(feats[split][idx]))
-    return (sharding.global_batch(mesh, data.tokens[split][idx]),
-            sharding.global_batch(mesh, data.labels[split][idx]), f)
+  eval_batches = grain_data.batches(data, 'eval', config.train.batch_size, 0, rows,
+                                    max(1, data.size('eval') // config.train.batch_size)
+                                    ) if data.size('eval') else None
 
   def save(step):
     manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(dparams), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
+        meta=ocp.args.JsonSave(meta), **{grain_data.ITEM: grain_data.checkpoint_save(
+            train_batches)}), force=True)
 
   log = MetricsLog(workdir, enabled=chief)
   key0 = jax.random.PRNGKey(config.train.seed)
@@ -333,7 +343,7 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
              disable=not (config.progress_bar and chief))
   with StopRequest() as stop:
     for step in bar:
-      tokens, labels, f = batch_of(step)
+      tokens, labels, f = on_device(next(train_batches), 'train')
       dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
                                                jax.random.fold_in(key0, step), f)
       tokens_done += B * L
@@ -355,7 +365,7 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
                                'train/tokens_per_s': last['tokens_per_s']})
       if config.eval_every and (done % config.eval_every == 0 or final) and data.size('eval'):
         last['eval'] = evaluate(eval_step, dparams, target, data, config, key0,
-                                lambda i: batch_of(i, 'eval', 0))
+                                lambda i: on_device(eval_batches[i], 'eval'))
         meta['confidence_temperature'] = last['eval']['confidence_temperature']
         ev = last['eval']
         log.write(done, {'step': done, 'eval': ev},

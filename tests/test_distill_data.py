@@ -4,6 +4,8 @@ turn-by-turn regeneration of conversations, and shards that resume with the same
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -148,3 +150,68 @@ def test_distill_resumes_with_the_same_prompts_per_shard(tiny_target, tmp_path):
     assert [r['id'] for r in got] == [r['id'] for r in rows]
     assert [r['response_ids'] for r in got] == [ar_alone(target, r['prompt_ids']) for r in rows]
   assert sorted(os.listdir(out)) == [f'shard-0000{n}.jsonl.gz' for n in range(3)]
+
+
+def test_teacher_settings_come_from_the_config_then_the_flags(tmp_path):
+  """The target and decoding settings of a decode config (configs/smollm2.py: what the drafters
+  serve under), each overridden by its flag; defaults without a config."""
+  config = tmp_path / 'decode.py'
+  config.write_text(
+      'import ml_collections\n'
+      'def get_config():\n'
+      '  return ml_collections.ConfigDict({"target": "/ckpt/t", "dtype": "bfloat16", '
+      '"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 3, "chat_template_kwargs": '
+      '\'{"enable_thinking": false}\', "mesh": {"data": 2, "model": 4}, "method": "d2sd"})\n')
+  settings = lambda *argv: distill.teacher_settings(distill.arg_parser().parse_args(list(argv)))
+  assert settings() == {'target': 'smollm2', 'dtype': 'float32', 'temperature': 0.0, 'top_k': 0,
+                        'top_p': 1.0, 'seed': 0, 'chat_template_kwargs': {},
+                        'mesh': {'data': -1, 'model': 1}}
+  assert settings('--config', str(config)) == {
+      'target': '/ckpt/t', 'dtype': 'bfloat16', 'temperature': 0.7, 'top_k': 20, 'top_p': 0.9,
+      'seed': 3, 'chat_template_kwargs': {'enable_thinking': False},
+      'mesh': {'data': 2, 'model': 4}}
+  got = settings('--config', str(config), '--temperature', '0', '--mesh_model', '8',
+                 '--dtype', 'float32', '--target', 'smollm2')
+  assert (got['temperature'], got['mesh'], got['dtype'], got['target'], got['top_k']) == (
+      0.0, {'data': 2, 'model': 8}, 'float32', 'smollm2', 20)
+  with pytest.raises(ValueError, match='top_p=0.0 must be in'):
+    settings('--top_p', '0')
+
+
+def test_distill_samples_with_the_settings_and_refuses_others_on_resume(tiny_folder, tmp_path,
+                                                                        capsys):
+  """--temperature reaches the generator (sampled responses, not greedy AR's), the settings
+  are recorded with the shards, and resuming with other settings is refused before loading."""
+  prompts = write_jsonl(tmp_path / 'p.jsonl', [{'prompt': p, 'chat': False}
+                                               for p in ('abc', 'hello', 'x y z', 'def f')])
+  out = str(tmp_path / 'out')
+  argv = ['--out', out, '--prompts', prompts, '--target', tiny_folder, '--max_new_tokens', '6',
+          '--max_prompt_tokens', '100', '--length_bounds', '100', '--batch_size', '2',
+          '--prompt_bucket', '128', '--shard_size', '4', '--temperature', '1.0', '--seed', '7']
+  distill.main(argv)
+  settings = json.loads((tmp_path / 'out' / 'settings.json').read_text())
+  assert (settings['temperature'], settings['seed'], settings['target']) == (1.0, 7, tiny_folder)
+  records = read_shard(f'{out}/shard-00000.jsonl.gz')
+  target = loaders.load_target(tiny_folder)
+  assert any(r['response_ids'] != ar_alone(target, r['prompt_ids']) for r in records)
+  with pytest.raises(SystemExit):
+    distill.main(argv[:-4] + ['--temperature', '0'])
+  assert 'was distilled with seed=7, temperature=1.0, not seed=0, temperature=0.0' in \
+      capsys.readouterr().err
+
+
+def test_distill_on_a_model_parallel_mesh_gives_the_same_responses(tiny_folder, tmp_path):
+  """--mesh_model 2 (the target's weights split over 2 devices) distills the same greedy
+  responses as one device (fresh processes: the device count is fixed at start-up)."""
+  prompts = write_jsonl(tmp_path / 'p.jsonl', [{'prompt': p, 'chat': False}
+                                               for p in ('abc', 'hello', 'x y z', 'def f')])
+  responses = {}
+  for name, extra in (('one', []), ('mesh', ['--mesh_model', '2'])):
+    out = str(tmp_path / name)
+    subprocess.run([sys.executable, '-m', 'd2sd_jax.distill', '--out', out, '--prompts', prompts,
+                    '--target', tiny_folder, '--max_new_tokens', '6', '--max_prompt_tokens',
+                    '100', '--length_bounds', '100', '--batch_size', '2', '--prompt_bucket',
+                    '128', '--shard_size', '4', *extra], check=True, capture_output=True,
+                   env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+    responses[name] = [r['response_ids'] for r in read_shard(f'{out}/shard-00000.jsonl.gz')]
+  assert responses['mesh'] == responses['one'] and len(responses['one']) == 4
