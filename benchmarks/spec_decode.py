@@ -1,7 +1,13 @@
-"""Speculative decoding against AR on HumanEval prompts with the SmolLM2 target, in one run.
+"""Speculative decoding against AR, in one run: HumanEval prompts and SmolLM2 by default, or any
+target and any prompts file.
 
   python benchmarks/spec_decode.py [--prompts 20] [--new_tokens 128] [--methods pld]
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat]
+      [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
+
+--prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
+{"turns": [...]} as in its MT-Bench / HumanEval JSONL, ShareGPT, OpenAI messages), first turns;
+--prompts keeps the first N of them.
 
 Every method runs through decode.py's own code path on the same prompts, greedy, batch 1. The
 script checks that each method's completions equal AR's token for token (lossless), then prints
@@ -48,18 +54,26 @@ def main():
   parser.add_argument('--n_branches', type=int, default=4)
   parser.add_argument('--tree_budget', type=int, default=0)
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
+  parser.add_argument('--target', default='smollm2')
+  parser.add_argument('--dtype', default='float32')
+  parser.add_argument('--prompts_file', default='', help='JSONL (default: HumanEval)')
   args = parser.parse_args()
 
   with tempfile.TemporaryDirectory() as tmp:
     prompts_file = os.path.join(tmp, 'prompts.jsonl')
+    if args.prompts_file:
+      with open(args.prompts_file) as f:
+        lines = [line for line in f if line.strip()][:args.prompts]
+    else:
+      lines = [json.dumps({'prompt': p}) + '\n' for p in humaneval_prompts(args.prompts)]
     with open(prompts_file, 'w') as f:
-      for p in humaneval_prompts(args.prompts):
-        f.write(json.dumps({'prompt': p}) + '\n')
+      f.writelines(lines)
 
     def run(method):
       c = smollm2_config.get_config()
       out = os.path.join(tmp, f'{method}.jsonl')
       c.update(method=method, prompts_file=prompts_file, chat=args.chat, batch_size=1,
+               target=args.target, dtype=args.dtype,
                max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
                drafter2=args.drafter2, stage_times=method != 'ar')
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget)
@@ -72,7 +86,9 @@ def main():
     print(json.dumps({'method': 'ar', 'ms_per_token': round(ar_ms, 2),
                       'decode_tokens_per_s': ar_stats['decode_tokens_per_s'],
                       'prefill_s': ar_stats['prefill_s']}), flush=True)
-    summary = {'prompts': args.prompts, 'new_tokens': args.new_tokens, 'chat': args.chat,
+    summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
+               'target': args.target, 'dtype': args.dtype,
+               'prompts_file': args.prompts_file or 'HumanEval',
                'ar_tokens_per_s': ar_stats['decode_tokens_per_s']}
     for method in args.methods.split(','):
       stats, ids = run(method)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -158,27 +159,25 @@ def validate(config: ml_collections.ConfigDict) -> Options:
   return options
 
 
-def read_prompts(config) -> list[str]:
+def read_prompts(config) -> list[str | list[dict]]:
+  """The prompt, or every line of prompts_file: a {"prompt": ...} line gives its text; a
+  conversation (ShareGPT `conversations`, OpenAI `messages`, DFlash `{"turns": [...]}`, read by
+  `conversations.read`) gives its system message and FIRST user turn as chat messages (a
+  benchmark of first turns; later turns would answer replies the target did not write)."""
   if config.prompt:
     return [config.prompt]
   if not config.prompts_file:
     return [DEMO_PROMPT]
-  prompts = []
+  if not os.path.exists(config.prompts_file):
+    raise FileNotFoundError(f'prompts_file {config.prompts_file!r} not found')
+  from d2sd_jax import conversations  # pylint: disable=import-outside-toplevel
   try:
-    with open(config.prompts_file) as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          prompts.append(json.loads(line)['prompt'])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-          raise ValueError(f'{config.prompts_file}:{n}: each line must be a JSON object with a '
-                           f'"prompt" field ({e})') from e
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f'prompts_file {config.prompts_file!r} not found') from e
-  if not prompts:
-    raise ValueError(f'prompts_file {config.prompts_file!r} has no prompts')
-  return prompts
+    convs = conversations.read(config.prompts_file)
+  except ValueError as e:
+    if 'no prompts' in str(e):
+      raise ValueError(f'prompts_file {config.prompts_file!r} has no prompts') from e
+    raise
+  return [c.user_turns[0] if c.style == 'prompt' else c.messages([]) for c in convs]
 
 
 def _round_up(n: int, m: int) -> int:

@@ -103,12 +103,15 @@ class Tokenizer:
                  **template_kwargs}
     return _compile_template(self.chat_template).render(messages=messages, **variables)
 
-  def encode_prompt(self, prompt: str, chat: bool,
+  def encode_prompt(self, prompt: str | list[dict], chat: bool,
                     chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt: plain text, or (chat) wrapped in the chat template, rendered with
-    `chat_template_kwargs` (see render_chat)."""
+    `chat_template_kwargs` (see render_chat). A list of chat messages ({'role', 'content'}, e.g.
+    a system message and a user turn) is rendered as it is (chat only)."""
     if not prompt:
       raise ValueError('empty prompt: give at least one character of text')
+    if not isinstance(prompt, str) and not chat:
+      raise ValueError('a prompt given as chat messages needs chat=True (the chat template)')
     if chat:  # the template writes any BOS itself
       return self.encode(self.render_chat(prompt, **(chat_template_kwargs or {})), add_bos=False)
     return self.encode(prompt)

@@ -194,9 +194,28 @@ def test_bad_prompts_file_lines(tiny_folder, tmp_path):
     decoding.run(config_for(tiny_folder, prompts_file=str(bad)), out=io.StringIO())
   empty = tmp_path / 'empty.jsonl'
   empty.write_text('{"prompt": ""}\n')
-  with pytest.raises(ValueError, match='empty prompt'):
+  with pytest.raises(ValueError, match='empty.jsonl:1: an empty user turn'):
     decoding.run(config_for(tiny_folder, prompts_file=str(empty), chat=False),
                  out=io.StringIO())
+
+
+def test_prompts_file_takes_conversations_in_every_format(tiny_folder, tmp_path):
+  """DFlash `turns`, ShareGPT and OpenAI lines decode their first user turn through the chat
+  template, exactly as the same text given as a "prompt" line; a system message is kept."""
+  lines = [{'prompt': 'def f(x):'}, {'turns': ['def f(x):', 'and then?']},
+           {'conversations': [{'from': 'human', 'value': 'def f(x):'},
+                              {'from': 'gpt', 'value': 'return x'}]},
+           {'messages': [{'role': 'system', 'content': 'Be brief.'},
+                         {'role': 'user', 'content': 'def f(x):'}]}]
+  path = tmp_path / 'mixed.jsonl'
+  path.write_text('\n'.join(json.dumps(l) for l in lines) + '\n')
+  out = tmp_path / 'out.jsonl'
+  run(config_for(tiny_folder, prompts_file=str(path), chat=True, output=str(out)))
+  rows = [json.loads(l) for l in open(out)]
+  assert [r['completion_ids'] for r in rows[1:3]] == [rows[0]['completion_ids']] * 2
+  assert rows[3]['prompt'][0] == {'role': 'system', 'content': 'Be brief.'}
+  with pytest.raises(ValueError, match='needs chat=True'):
+    decoding.run(config_for(tiny_folder, prompts_file=str(path), chat=False), out=io.StringIO())
 
 
 def test_decode_py_on_smollm2():
