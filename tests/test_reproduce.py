@@ -1,0 +1,47 @@
+"""benchmarks/reproduce.py's quality measures (the Pareto frontier's axes) on known answers."""
+import os
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
+import reproduce  # pylint: disable=wrong-import-position
+
+from d2sd_jax import model as M  # pylint: disable=wrong-import-position
+
+
+def test_pass_at_1_runs_the_tests_in_a_subprocess():
+  """HumanEval's canonical solutions pass, a wrong body fails, a hang times out; code after the
+  function (a stop sequence) is cut."""
+  problems = reproduce.humaneval(2)
+  for p in problems:
+    assert reproduce.passes(p, p['canonical_solution'])
+    assert reproduce.passes(p, p['canonical_solution'] + '\nprint(undefined_name)\n')
+    assert not reproduce.passes(p, '    return None\n')
+  assert not reproduce.passes(problems[0], '    while True:\n        pass\n', timeout=2)
+
+
+def test_nll_per_token_is_the_mean_negative_log_likelihood(tiny):
+  """Against a step-by-step computation from the model's logits."""
+  cfg, params = tiny
+
+  class Target:  # what nll_per_token reads of a loaders.Target
+    pass
+  target = Target()
+  target.cfg, target.params = cfg, params
+  prompt, completion = [1, 5, 9], [3, 7, 2, 8]
+  ids = np.asarray([prompt + completion], np.int32)
+  L = ids.shape[1]
+  h, _, _ = M.forward(params, cfg, ids, np.arange(L)[None], M.init_cache(cfg, 1, L),
+                      np.zeros((1,), np.int32))
+  logp = np.asarray(jax.nn.log_softmax(M.logits(params, cfg, h)[0], -1))
+  expected = -np.mean([logp[len(prompt) - 1 + i, t] for i, t in enumerate(completion)])
+  np.testing.assert_allclose(reproduce.nll_per_token(target, prompt, completion), expected,
+                             rtol=1e-4)
+
+
+def test_agreement_is_the_common_prefix_fraction():
+  assert reproduce.common_prefix([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+  assert reproduce.common_prefix([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+  assert reproduce.common_prefix([5, 2], [1, 2]) == 0.0
