@@ -137,7 +137,7 @@ def context_kv(dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN):
   """Per-layer keys/values [B, KVH, N, hd] of context tokens from their target features."""
   lcfg = dcfg.layer_config(1)
   h_BxNxW = model_lib.rms_norm(
-      jnp.einsum('bnf,wf->bnw', features_BxNxF.astype(lcfg.jnp_dtype), dparams['fc']),
+      jnp.einsum('bnf,wf->bnw', features_BxNxF.astype(jnp.float32), dparams['fc']),
       dparams['fc_norm'], dcfg.norm_eps)
   out = []
   for lp in dparams['layers']:
@@ -175,7 +175,7 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   pass instead of keeping them (training memory for compute).
   """
   lcfg = dcfg.layer_config(tcfg.vocab_size)
-  x_BxQxD = tparams['embed'][tokens_BxQ].astype(lcfg.jnp_dtype)
+  x_BxQxD = tparams['embed'][tokens_BxQ].astype(jnp.float32)  # float32 residual (model.py)
   x_BxQxD = jnp.where(is_mask_BxQ[..., None], dparams['mask_embed'].astype(x_BxQxD.dtype), x_BxQxD)
   if 'in_proj' in dparams:
     x_BxQxD = jnp.einsum('bqd,wd->bqw', x_BxQxD, dparams['in_proj'])
@@ -187,7 +187,6 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
   if 'out_proj' in dparams:
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])
-  h = h.astype(tcfg.jnp_dtype)
   if 'head_ids' not in dparams:
     return model_lib.logits(tparams, tcfg, h)
   head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']

@@ -71,9 +71,9 @@ def load_target(source: str, dtype: str = 'float32', mesh=None) -> Target:
 
 
 def architecture(cfg: ModelConfig) -> dict:
-  """The config fields that define a target's function (not the dtype it runs in). Plain RoPE
+  """The config fields that define a target's function (not the dtypes it runs in). Plain RoPE
   leaves rope_freq_factors out, so fingerprints recorded before that field existed still match."""
-  arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'dtype'}
+  arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ('dtype', 'cache_dtype')}
   if arch['rope_freq_factors'] is None:
     del arch['rope_freq_factors']
   return arch

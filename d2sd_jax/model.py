@@ -24,14 +24,15 @@ them 8-13 % faster than [in, out] at batch 1 and 8.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 
-Precision. `dtype` is the storage dtype of the weights and the KV cache (bfloat16 halves both);
-activations, the residual stream, every accumulation and the logits are float32. A token's
-hidden state then differs between a verified tree and one-token AR steps only by float32
-accumulation order (as in float32), plus the rare bfloat16 rounding flip of a cached key or
-value, so bfloat16 speculative decoding reproduces bfloat16 AR. With bfloat16 activations (each
-layer's output rounded) the two drifted 0.25 apart in the final hidden state and greedy outputs
-diverged within 64 tokens on 2 of 3 prompts (tests/test_bf16.py). New tokens' keys and values
-are rounded to the cache dtype before any token attends to them, as a later step reads them.
+Precision. `dtype` is the storage dtype of the weights (bfloat16 halves them); activations, the
+residual stream, every accumulation and the logits are float32, and so is the KV cache unless
+`cache_dtype='bfloat16'`. A token's hidden state then differs between a verified tree and
+one-token AR steps only by float32 accumulation order, as in float32, so bfloat16 speculative
+decoding reproduces bfloat16 AR (tests/test_bf16.py). With bfloat16 activations the two drifted
+0.25 apart in the final hidden state and greedy D²SD left bfloat16 AR within 64 tokens on 2 of 3
+prompts; a bfloat16 cache (new keys and values rounded to it before any token attends to them,
+as a later step reads them) still drifts 1e-2 apart, enough to flip a near-tie now and then:
+choose it for memory (long contexts, big batches), not for exact agreement with AR.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class ModelConfig:
   qkv_bias: bool = False  # Qwen2
   qk_norm: bool = False  # Qwen3
   max_position: int = 8192  # context length the model was trained for
-  dtype: str = 'float32'  # parameter and activation dtype ('float32' or 'bfloat16')
+  dtype: str = 'float32'  # weight dtype ('float32' or 'bfloat16'); activations are float32
+  cache_dtype: str = 'float32'  # KV cache dtype ('bfloat16' halves it; see Precision above)
   # Per-frequency divisors of RoPE's inverse frequencies, head_dim/2 of them (Llama-3.1 'llama3'
   # and 'linear' scaling, a GGUF's rope_freqs tensor); None = plain RoPE. A tuple, not an
   # array, so the config stays hashable as a static jit argument.
@@ -78,8 +80,9 @@ class ModelConfig:
       raise ValueError(f'n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
-    if self.dtype not in ('float32', 'bfloat16'):
-      raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+    for name in ('dtype', 'cache_dtype'):
+      if getattr(self, name) not in ('float32', 'bfloat16'):
+        raise ValueError(f"{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
 
   @property
   def group(self) -> int:
@@ -88,6 +91,10 @@ class ModelConfig:
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def cache_jnp_dtype(self):
+    return jnp.dtype(self.cache_dtype)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
@@ -128,7 +135,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
   makes the attention dots contiguous per (row, head).
   """
   shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-  return [{'k': jnp.zeros(shape, cfg.jnp_dtype), 'v': jnp.zeros(shape, cfg.jnp_dtype)}
+  return [{'k': jnp.zeros(shape, cfg.cache_jnp_dtype), 'v': jnp.zeros(shape, cfg.cache_jnp_dtype)}
           for _ in range(cfg.n_layers)]
 
 
@@ -258,7 +265,7 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     scores = jnp.concatenate(
         [jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg),
          dot('bkgnqh,bknth->bkgnqt', q_6, k_5)], axis=-1)  # [B, Hkv, Hg, nb, G, S + G]
-    probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
+    probs = jax.nn.softmax(scores, axis=-1)
     attn_BxHkvxRxhd = (
         dot('bkgnqs,bksh->bkgnqh', probs[..., :S], kv['v']) +
         dot('bkgnqt,bknth->bkgnqh', probs[..., S:], v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
@@ -271,7 +278,7 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
         [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
         axis=-1)
     scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
-    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1).astype(cdt)
+    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1)
     attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
                        dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
   return (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
