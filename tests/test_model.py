@@ -140,18 +140,20 @@ def _attention_inputs(key, B=2, T=12, H=4, Hkv=2, hd=8, S=10, dtype=jnp.float32)
   return q, k_new, v_new, kv
 
 
-def test_blockwise_attention_equals_the_dense_block_diagonal_mask():
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_blockwise_attention_equals_the_dense_block_diagonal_mask(dtype):
   """block_size=G computes exactly what a dense block-diagonal [T, T] mask gives (per-position
-  context lengths, as training's anchors make them), without that mask."""
+  context lengths, as training's anchors make them), without that mask; also with a bfloat16
+  cache, compiled (XLA:CPU refuses bfloat16 x bfloat16 -> float32 dots, so none may appear)."""
   B, T, G, S = 2, 12, 4, 10
-  q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(0), B=B, T=T, S=S)
+  q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(0), B=B, T=T, S=S, dtype=dtype)
   ctx_len_BxT = jax.random.randint(jax.random.PRNGKey(1), (B, T), 1, S + 1)
   ctx_mask = jnp.arange(S)[None, None, :] < ctx_len_BxT[..., None]
   block_of = jnp.arange(T) // G
   dense = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (B, T, T))
-  ref = M.attention(q, k_new, v_new, kv, ctx_mask, dense)
-  got = M.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=G)
-  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  ref = jax.jit(M.attention)(q, k_new, v_new, kv, ctx_mask, dense)
+  got = jax.jit(M.attention, static_argnums=(6,))(q, k_new, v_new, kv, ctx_mask, None, G)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   # a wrong block size is a different law (the test can tell)
   other = M.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=T // 2 if G != T // 2 else 2)
   assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
