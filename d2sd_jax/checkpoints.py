@@ -32,8 +32,8 @@ def target_fingerprint(target: loaders.Target) -> str:
 
 def params_fingerprint(cfg: model_lib.ModelConfig, params) -> str:
   """`loaders.fingerprint` of parameters as they are (in their dtype)."""
-  return loaders.fingerprint(cfg, params['embed'][:64], params['final_norm'],
-                             params['layers'][-1]['w_down'][:8])
+  return loaders.fingerprint(cfg, params['embed'], params['final_norm'],
+                             params['layers'][-1]['w_down'])
 
 
 def checkpoint_metadata(kind: str, target_name: str, target, dcfg) -> dict:

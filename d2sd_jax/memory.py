@@ -80,7 +80,7 @@ def training_memory(config, tcfg: model_lib.ModelConfig, data: int, model: int) 
   L, D, G, A = config.data.seq_len, tcfg.d_model, dcfg.gamma, t.anchors_per_seq
   Q = A * G
   f32 = 4
-  split = lambda n: -(-n // model) if n % model == 0 else n
+  split = lambda n: n // model if n % model == 0 else n  # as sharding.spec_for splits
   n_feat = len(dcfg.feature_layers)
   W, H = dcfg.d_model, dcfg.n_heads
   kept_per_layer = (b * Q * W * f32 if t.get('remat', False) else
