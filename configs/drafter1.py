@@ -40,6 +40,10 @@ def get_config():
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
   c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
   c.data.features_dir = ''  # precomputed teacher features ('' = workdir/features); runs share it
+  # A teacher-forced corpus (python -m d2sd_jax.corpus --seq_len 320): text labelled with the
+  # target's own next-token predictions, mixed into the training windows ('' = none)
+  c.data.corpus_path = ''
+  c.data.corpus_windows = 0  # corpus windows used (its first N; 0 = all): the mix
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 4  # sequences per step
@@ -63,6 +67,10 @@ def get_config():
   # shown, no loss on them), so multi-step denoising (spec.steps > 1) has learnt what its later
   # passes see; 0 = every block fully masked after its prefix, as the shipped drafters trained.
   c.loss.reveal = 0.0
+  # Corpus labels: weight of the target's top-k distribution (soft) against its argmax (hard);
+  # 0 = argmax only. Needs a corpus built with --top_k >= soft_k.
+  c.loss.soft = 0.0
+  c.loss.soft_k = 8
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # data-parallel axis size (-1: all devices not used by mesh.model)

@@ -10,9 +10,11 @@ library. Evaluation material never enters (DESIGN §5b): any path with a `numpy`
   python -m d2sd_jax.corpus --out data/corpus --count_only    # how many tokens there are
   python -m d2sd_jax.corpus --roots ~/src/a,~/src/b --out data/mine   # any folders of text
 
-Files are deduplicated by content, tokenized, joined with EOS between files and cut into windows
-of --seq_len tokens, in a fixed order (sorted paths), saved once as `windows.npy` (int32; a
-rerun labels these same windows without tokenizing again; delete it once every shard exists).
+Files are deduplicated by content, tokenized, joined with EOS between files (in sorted path order)
+and cut into windows of --seq_len tokens; the windows are then put in a fixed random order
+(seed 0), so that any prefix (--max_windows) is a uniform sample of the whole corpus rather than
+its alphabetically first files. They are saved once as `windows.npy` (int32; a rerun labels
+these same windows without tokenizing again; delete it once every shard exists).
 Shard n (`corpus-00000.npz`, written atomically; existing shards are skipped, so rerunning
 resumes; --max_windows labels a prefix and may grow later) holds windows n*W ... (n+1)*W-1:
   tokens     int32 [W, L]  the text
@@ -27,9 +29,11 @@ import argparse
 import glob
 import hashlib
 import json
+import math
 import os
 import sysconfig
 import time
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -103,27 +107,31 @@ def tokenize(texts, tok, batch: int = 256):
       yield path, np.asarray(e.ids, np.int32)
 
 
-def windows(token_lists, eos_id: int, seq_len: int) -> np.ndarray:
-  """The documents joined with EOS after each, cut into [N, seq_len] (the tail dropped)."""
+def windows(token_lists, eos_id: int, seq_len: int, shuffle_seed: int | None = None
+            ) -> np.ndarray:
+  """The documents joined with EOS after each, cut into [N, seq_len] (the tail dropped), in a
+  fixed random order if shuffle_seed is given."""
   eos = np.asarray([eos_id], np.int32)
   stream = np.concatenate([np.zeros(0, np.int32)] + [np.concatenate([np.asarray(ids, np.int32), eos])
                                                      for ids in token_lists])
   n = len(stream) // seq_len
-  return stream[:n * seq_len].reshape(n, seq_len)
+  out = stream[:n * seq_len].reshape(n, seq_len)
+  if shuffle_seed is not None:
+    out = out[np.random.default_rng(shuffle_seed).permutation(n)]
+  return out
 
 
 def label_fn(cfg: model_lib.ModelConfig, top_k: int, chunk: int = 128):
   """Jitted (params, tokens [B, L]) -> next_ids [B, L] (+ top-k ids and probabilities): one
-  causal pass, the vocabulary projected `chunk` positions at a time (never [B, L, V] at once)."""
+  causal pass, the vocabulary projected gcd(L, `chunk`) positions at a time (never [B, L, V] at
+  once)."""
 
   def fn(params, tokens_BxL):
     B, L = tokens_BxL.shape
-    if L > chunk and L % chunk:
-      raise ValueError(f'window length {L} must be a multiple of {chunk} (or at most {chunk})')
     hidden_BxLxD, _, _ = model_lib.forward(
         params, cfg, tokens_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)),
         model_lib.init_cache(cfg, B, L), jnp.zeros((B,), jnp.int32), fresh=True)
-    C = min(chunk, L)
+    C = math.gcd(chunk, L)
     pieces_NxBxCxD = hidden_BxLxD.reshape(B, L // C, C, -1).transpose(1, 0, 2, 3)
 
     def piece(h_BxCxD):
@@ -172,14 +180,26 @@ def label_shards(params, cfg, tokens_NxL: np.ndarray, out: str, shard_windows: i
   return done
 
 
-def read(path: str) -> dict[str, np.ndarray]:
-  """Every shard under `path` concatenated: {'tokens', 'next_ids', ...} (arrays of [N, L])."""
+def read(path: str, max_windows: int = 0) -> dict[str, np.ndarray]:
+  """The shards under `path` concatenated in order (the first max_windows windows; 0: all):
+  {'tokens', 'next_ids', ...} (arrays of [N, L] or [N, L, K])."""
   files = sorted(glob.glob(os.path.join(path, 'corpus-*.npz')))
   if not files:
     raise FileNotFoundError(f'no corpus shards (corpus-*.npz) in {path!r}: build them with '
                             f'python -m d2sd_jax.corpus --out {path}')
-  shards = [dict(np.load(f)) for f in files]
-  return {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
+  shards, n = [], 0
+  for f in files:
+    if max_windows and n >= max_windows:
+      break
+    try:
+      with np.load(f) as z:
+        shards.append({k: z[k] for k in z.files})
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+      raise ValueError(f'corrupt corpus shard {f}: {e}; delete it and rerun '
+                       f'python -m d2sd_jax.corpus --out {path} to label it again') from e
+    n += len(shards[-1]['tokens'])
+  out = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
+  return {k: v[:max_windows] for k, v in out.items()} if max_windows else out
 
 
 def main():
@@ -195,13 +215,13 @@ def main():
   parser.add_argument('--max_windows', type=int, default=0, help='0: all of them')
   parser.add_argument('--count_only', action='store_true', help='tokenize and count, no labels')
   args = parser.parse_args()
-  if args.seq_len % 128 and args.seq_len > 128:
-    parser.error('--seq_len must be a multiple of 128 (or at most 128)')
+  if args.seq_len < 2:
+    parser.error('--seq_len must be at least 2')
 
   target = loaders.load_target(args.target)
   tok = target.tokenizer
   roots = args.roots.split(',') if args.roots else default_roots()
-  meta = {'target': args.target, 'roots': roots, 'seq_len': args.seq_len,
+  meta = {'target': args.target, 'roots': roots, 'seq_len': args.seq_len, 'order': 'shuffled-0',
           'shard_windows': args.shard_windows, 'top_k': args.top_k, 'eos_id': tok.eos_ids[0]}
   meta_path = os.path.join(args.out, 'meta.json')
   windows_path = os.path.join(args.out, 'windows.npy')
@@ -219,7 +239,7 @@ def main():
   else:
     t0 = time.time()
     docs = list(tokenize(read_texts(source_files(roots)), tok))
-    tokens = windows((ids for _, ids in docs), tok.eos_ids[0], args.seq_len)
+    tokens = windows((ids for _, ids in docs), tok.eos_ids[0], args.seq_len, shuffle_seed=0)
     by_ext = {}
     for path, ids in docs:
       ext = os.path.splitext(path)[1]

@@ -255,9 +255,14 @@ class SequenceData:
     return window(prompt_ids, response_ids, self.seq_len, self.pad_id)
 
   def example(self, split: str, i: int) -> dict:
-    """Window i as grain batches it; `index` finds its precomputed features."""
+    """Window i as grain batches it; `index` finds its precomputed features. The labels are
+    the tokens themselves (`label_ids`): the target wrote them."""
     tokens, labels = self.window(split, i)
-    return {'tokens': tokens, 'labels': labels, 'index': np.int64(i)}
+    return {'tokens': tokens, 'labels': labels, 'label_ids': tokens, 'index': np.int64(i)}
+
+  def token_arrays(self, split: str) -> list[np.ndarray]:
+    """The windows' tokens, one [N, L] array per part (features are computed per part)."""
+    return [self.arrays(split)[0]]
 
   def arrays(self, split: str):
     """(tokens [N, L], labels [N, L]) of every window of `split`: the whole split in memory,
@@ -290,11 +295,101 @@ class SequenceData:
     return response, prompt
 
 
+class CorpusWindows:
+  """The windows of a teacher-forced corpus (`python -m d2sd_jax.corpus`): text, and at every
+  position the target's own prediction of the next token (its argmax, and with --top_k its K
+  likeliest tokens and their probabilities). The text is what the drafter and the target's
+  features see; the target's predictions are the labels: label_ids[t] = next_ids[t - 1], so a
+  block anchored at a learns what the target would write at a+1, a+2, ... after the text up to
+  there. Every position but the first carries a label. The corpus is all training data (the
+  held-out windows come from the main source)."""
+
+  def __init__(self, path: str, seq_len: int, max_windows: int = 0, vocab_size: int | None = None):
+    from d2sd_jax import corpus  # pylint: disable=import-outside-toplevel
+    arrays = corpus.read(path, max_windows)
+    tokens = arrays['tokens']
+    if tokens.shape[1] != seq_len:
+      raise ValueError(f'the corpus in {path} has windows of {tokens.shape[1]} tokens but '
+                       f'data.seq_len={seq_len}: rebuild it with python -m d2sd_jax.corpus '
+                       f'--seq_len {seq_len} --out NEW_DIR, or set data.seq_len={tokens.shape[1]}')
+    if vocab_size is not None and int(tokens.max(initial=0)) >= vocab_size:
+      raise ValueError(f'the corpus in {path} has token id {int(tokens.max())}, outside the '
+                       f'target\'s vocabulary of {vocab_size} (built for another target?)')
+    self.path, self.seq_len = path, seq_len
+    self.tokens = tokens
+    shift = lambda x: np.concatenate([x[:, :1], x[:, :-1]], axis=1)  # label of t: pred. at t-1
+    self.label_ids = shift(arrays['next_ids'])
+    self.top_k = arrays['topk_ids'].shape[-1] if 'topk_ids' in arrays else 0
+    if self.top_k:
+      self.topk_ids = shift(arrays['topk_ids'])
+      self.topk_probs = shift(arrays['topk_probs_q16'])
+
+  def size(self, split: str = 'train') -> int:
+    return len(self.tokens) if split == 'train' else 0
+
+  def example(self, split: str, i: int, top_k: int = 0) -> dict:
+    del split
+    labels = np.ones(self.seq_len, bool)
+    labels[0] = False
+    out = {'tokens': self.tokens[i], 'labels': labels, 'label_ids': self.label_ids[i]}
+    if top_k:
+      if top_k > self.top_k:
+        raise ValueError(f'loss.soft needs the target\'s top-{top_k} but the corpus in '
+                         f'{self.path} stores {self.top_k}: rebuild it with --top_k {top_k}')
+      out['topk_ids'] = self.topk_ids[i, :, :top_k]
+      out['topk_probs'] = self.topk_probs[i, :, :top_k].astype(np.float32) / 65535
+    return out
+
+  def token_counts(self, vocab_size: int) -> np.ndarray:
+    """How often each token is a label (the head_vocab choice counts them as responses)."""
+    return np.bincount(self.label_ids[:, 1:].reshape(-1), minlength=vocab_size)
+
+
+class MixedData:
+  """The main source's windows (`SequenceData`) followed by a teacher-forced corpus's, as one
+  training split (the mix is the corpus's share of the windows: data.corpus_windows). Held-out
+  windows are the main source's only, so runs with and without a corpus are evaluated on the
+  same windows. With top_k (the soft-label loss), the main source's windows carry their token
+  as a one-hot top-k (the target wrote it; its distribution there was not stored)."""
+
+  def __init__(self, main: SequenceData, corpus: CorpusWindows, top_k: int = 0):
+    self.main, self.corpus, self.top_k = main, corpus, top_k
+    self.seq_len, self.pad_id = main.seq_len, main.pad_id
+
+  def size(self, split: str = 'train') -> int:
+    return self.main.size(split) + self.corpus.size(split)
+
+  def example(self, split: str, i: int) -> dict:
+    n = self.main.size(split)
+    if i >= n:
+      return {**self.corpus.example(split, i - n, self.top_k), 'index': np.int64(i)}
+    out = self.main.example(split, i)
+    if self.top_k:
+      out['topk_ids'] = np.zeros((self.seq_len, self.top_k), np.int32)
+      out['topk_ids'][:, 0] = out['tokens']
+      out['topk_probs'] = np.zeros((self.seq_len, self.top_k), np.float32)
+      out['topk_probs'][:, 0] = 1.0
+    return out
+
+  def token_arrays(self, split: str) -> list[np.ndarray]:
+    parts = self.main.token_arrays(split)
+    return parts + [self.corpus.tokens] if self.corpus.size(split) else parts
+
+  indices = SequenceData.indices
+
+  def token_counts(self, vocab_size: int, pad_id: int,
+                   max_windows: int = COUNT_WINDOWS) -> tuple[np.ndarray, np.ndarray]:
+    response, prompt = self.main.token_counts(vocab_size, pad_id, max_windows)
+    return response + self.corpus.token_counts(vocab_size), prompt
+
+
 SOURCES = ('shards', 'tfds', 'conversations')
 
 
-def from_config(data_config, tokenizer, vocab_size: int) -> SequenceData:
-  """The windows of a training config's `data` group, read with the target's tokenizer."""
+def from_config(data_config, tokenizer, vocab_size: int, top_k: int = 0):
+  """The windows of a training config's `data` group, read with the target's tokenizer, with
+  the teacher-forced corpus data.corpus_path (if set) mixed in; top_k: the soft labels the
+  loss needs (0: none)."""
   source = data_config.source
   if source == 'shards':
     records = ShardsSource(data_config.path, vocab_size)
@@ -308,5 +403,9 @@ def from_config(data_config, tokenizer, vocab_size: int) -> SequenceData:
         tokenizer, data_config.seq_len, vocab_size)
   else:
     raise ValueError(f'data.source={source!r}: use one of {SOURCES}')
-  return SequenceData(records, data_config.seq_len, tokenizer.pad_id,
-                      data_config.eval_fraction)
+  main = SequenceData(records, data_config.seq_len, tokenizer.pad_id, data_config.eval_fraction)
+  if not data_config.get('corpus_path'):
+    return main
+  corpus = CorpusWindows(data_config.corpus_path, data_config.seq_len,
+                         data_config.get('corpus_windows', 0), vocab_size)
+  return MixedData(main, corpus, top_k)

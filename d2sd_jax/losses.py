@@ -81,8 +81,14 @@ def block_logits(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, featur
 def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_BxL,
                  features_BxLxF, label_mask_BxL, anchors_BxA, prefix_len_BxA, weights_BxAxG,
                  calibrate: bool = False, reveal_BxAxG=None, normalizer=None,
-                 remat: bool = False):
+                 remat: bool = False, label_ids_BxL=None, topk=None, soft: float = 0.0):
   """Weighted cross-entropy at masked block positions whose label is a target output.
+
+  The label of sequence position t is label_ids_BxL[t] (default: the token there, which the
+  target wrote: distilled responses); a teacher-forced corpus passes the target's argmax after
+  the text instead. With topk = (ids [B, L, K], probs [B, L, K]), the target's K likeliest
+  next tokens there, the loss is (1 - soft) x CE(argmax label) + soft x CE(the top-k
+  distribution renormalised over the head's tokens).
 
   Returns (loss, metrics): metrics['acc_by_pos'] [G] is the top-1 agreement with the labels per
   block position, ['count_by_pos'] how many labels it averaged, ['weight'] the loss weights'
@@ -97,12 +103,23 @@ def drafter_loss(dparams, dcfg: drafter_lib.DrafterConfig, tparams, tcfg, seq_Bx
   # as misses (the drafter cannot propose them) and carry no loss.
   logits = block_logits(dparams, dcfg, tparams, tcfg, features_BxLxF, tokens, is_mask, positions,
                         anchors_BxA, head_only=True, remat=remat)
-  label_ok = jnp.take_along_axis(label_mask_BxL, jnp.clip(positions, 0, L - 1), 1)
-  valid = is_mask & in_range & label_ok  # block tokens ARE the labels where masked
-  target = drafter_lib.head_index(dparams, tokens, tcfg.vocab_size)
+  at = jnp.clip(positions, 0, L - 1)
+  label_ok = jnp.take_along_axis(label_mask_BxL, at, 1)
+  valid = is_mask & in_range & label_ok
+  labels = tokens if label_ids_BxL is None else jnp.take_along_axis(label_ids_BxL, at, 1)
+  target = drafter_lib.head_index(dparams, labels, tcfg.vocab_size)
   in_head = target >= 0
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, jnp.maximum(target, 0)[..., None], -1)[..., 0]
+  if topk is not None and soft:
+    ids_BxQxK = jnp.take_along_axis(topk[0], at[..., None], 1)
+    probs_BxQxK = jnp.take_along_axis(topk[1], at[..., None], 1).astype(logp.dtype)
+    head_BxQxK = drafter_lib.head_index(dparams, ids_BxQxK, tcfg.vocab_size)
+    probs_BxQxK = probs_BxQxK * (head_BxQxK >= 0)
+    probs_BxQxK = probs_BxQxK / jnp.maximum(jnp.sum(probs_BxQxK, -1, keepdims=True), 1e-9)
+    soft_nll = -jnp.sum(probs_BxQxK * jnp.take_along_axis(logp, jnp.maximum(head_BxQxK, 0), -1),
+                        -1)
+    nll = (1.0 - soft) * nll + soft * soft_nll
   w = weights_BxAxG.reshape(B, A * G) * (valid & in_head)
   weight = jnp.sum(w)
   loss = jnp.sum(w * nll) / (jnp.maximum(weight, 1e-9) if normalizer is None else normalizer)

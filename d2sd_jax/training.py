@@ -74,6 +74,15 @@ def validate(config) -> None:
   if not 0.0 <= config.loss.get('reveal', 0.0) <= 1.0:
     raise ValueError(f'loss.reveal={config.loss.reveal} must be in [0, 1] (the fraction of blocks '
                      'partly unmasked)')
+  if not 0.0 <= config.loss.get('soft', 0.0) <= 1.0:
+    raise ValueError(f'loss.soft={config.loss.soft} must be in [0, 1] (the weight of the '
+                     "target's top-k distribution against its argmax)")
+  if config.loss.get('soft', 0.0) and not config.data.get('corpus_path'):
+    raise ValueError('loss.soft needs the target\'s distributions, which only a teacher-forced '
+                     'corpus stores: set data.corpus_path (python -m d2sd_jax.corpus --top_k 8) '
+                     'or loss.soft=0')
+  if config.loss.get('soft', 0.0) and config.loss.get('soft_k', 8) < 1:
+    raise ValueError(f'loss.soft_k={config.loss.soft_k} must be >= 1')
   if not 0.0 <= config.data.eval_fraction < 1.0:
     raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
   for name in ('log_every', 'save_every'):
@@ -150,26 +159,31 @@ def make_train_step(config, tcfg, dcfg, opt):
   accum, remat = t.get('grad_accum', 1), t.get('remat', False)
   cdcfg = dataclasses.replace(dcfg, dtype=compute)
 
-  def loss_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats, calibrate=False,
-              normalizer=None):
+  soft = config.loss.get('soft', 0.0)
+
+  def loss_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats,
+              calibrate=False, normalizer=None):
     if feats is None:
       feats = target_features(tparams, tcfg, dcfg, tokens)
     feats = jax.lax.stop_gradient(feats.astype(compute))
     params = {**jax.tree.map(lambda x: x.astype(compute), trainable), **fixed}
     anchors, prefix, weights, reveal = blocks
     return losses.drafter_loss(params, cdcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
-                               prefix, weights, calibrate, reveal, normalizer, remat)
+                               prefix, weights, calibrate, reveal, normalizer, remat,
+                               label_ids_BxL=targets.get('label_ids'),
+                               topk=(targets['topk_ids'], targets['topk_probs']) if soft else None,
+                               soft=soft)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def accumulated(trainable, fixed, tparams, tokens, label_mask, blocks, feats):
+  def accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats):
     micro = lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
 
     def one(grads, xs):
       (_, m), g = grad_fn(trainable, fixed, tparams, *xs, normalizer=1.0)
       return jax.tree.map(jnp.add, grads, g), m
 
-    xs = jax.tree.map(micro, (tokens, label_mask, blocks, feats))
+    xs = jax.tree.map(micro, (tokens, label_mask, targets, blocks, feats))
     grads, ms = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, trainable), xs)
     weight = jnp.maximum(jnp.sum(ms['weight']), 1e-9)
     counts = jnp.sum(ms['count_by_pos'], 0)
@@ -178,21 +192,24 @@ def make_train_step(config, tcfg, dcfg, opt):
                    counts, 1)}
     return jax.tree.map(lambda g: g / weight, grads), metrics
 
-  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None):
+  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None):
+    targets = targets or {}
     trainable, fixed = drafter_lib.split_fixed(dparams)
     blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
     if accum == 1:
-      (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats)
+      (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
+                                    feats)
     else:
-      grads, metrics = accumulated(trainable, fixed, tparams, tokens, label_mask, blocks, feats)
+      grads, metrics = accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
+                                   feats)
     updates, opt_state = opt.update(grads, opt_state, trainable)
     metrics['grad_norm'] = optax.tree.norm(grads)
     return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
 
-  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None):
+  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None):
     trainable, fixed = drafter_lib.split_fixed(dparams)
     blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
-    return loss_fn(trainable, fixed, tparams, tokens, label_mask, blocks, feats,
+    return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
                    calibrate=True)[1]
 
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
@@ -227,6 +244,27 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
   del out
   os.replace(tmp, path)  # complete files only
   return np.load(path, mmap_mode='r')
+
+
+class Rows:
+  """Row lookup over arrays stacked along their first axis (precomputed features of a main
+  source then a corpus), without copying them into one."""
+
+  def __init__(self, parts):
+    self.parts = parts
+    self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+  def __len__(self):
+    return int(self.starts[-1])
+
+  def __getitem__(self, rows) -> np.ndarray:
+    rows = np.asarray(rows)
+    part = np.searchsorted(self.starts, rows, side='right') - 1
+    out = np.empty((len(rows),) + self.parts[0].shape[1:], self.parts[0].dtype)
+    for p in np.unique(part):
+      pick = part == p
+      out[pick] = self.parts[p][rows[pick] - self.starts[p]]
+    return out
 
 
 class StopRequest:
@@ -269,7 +307,8 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   dcfg = drafter_config(config)
   dcfg.check_target(target.cfg)
   # Every record is checked here, before training: a malformed one names its file and line.
-  data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size)
+  soft_k = config.loss.get('soft_k', 8) if config.loss.get('soft', 0.0) else 0
+  data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
   opt = optimizer(config)
   train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
 
@@ -311,18 +350,21 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
                                                                                  'features'))
   if config.train.get('precompute_features'):
     for split in feats:
-      if data.size(split):
-        feats[split] = precompute_features(target, dcfg, data.arrays(split)[0],
-                                           os.path.join(features_dir, split),
-                                           progress=config.progress_bar and chief)
+      if data.size(split):  # one file per part (a corpus added later reuses the main file)
+        feats[split] = Rows([precompute_features(target, dcfg, tokens,
+                                                 os.path.join(features_dir, split),
+                                                 progress=config.progress_bar and chief)
+                             for tokens in data.token_arrays(split)])
 
   def on_device(batch, split):
     """This process's rows of a global batch (from grain) as arrays sharded over 'data'; the
-    features of its windows looked up by window index."""
-    f = None if feats[split] is None else sharding.global_batch(
-        mesh, np.asarray(feats[split][batch['index']]))
+    features of its windows looked up by window index. Returns (tokens, label mask, features,
+    targets: label_ids and the soft labels, if any)."""
+    f = None if feats[split] is None else sharding.global_batch(mesh, feats[split][batch['index']])
+    targets = {k: sharding.global_batch(mesh, batch[k])
+               for k in ('label_ids', 'topk_ids', 'topk_probs') if k in batch}
     return (sharding.global_batch(mesh, batch['tokens']),
-            sharding.global_batch(mesh, batch['labels']), f)
+            sharding.global_batch(mesh, batch['labels']), f, targets)
 
   eval_batches = grain_data.batches(data, 'eval', config.train.batch_size, 0, rows,
                                     max(1, data.size('eval') // config.train.batch_size)
@@ -343,9 +385,9 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
              disable=not (config.progress_bar and chief))
   with StopRequest() as stop:
     for step in bar:
-      tokens, labels, f = on_device(next(train_batches), 'train')
+      tokens, labels, f, targets = on_device(next(train_batches), 'train')
       dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
-                                               jax.random.fold_in(key0, step), f)
+                                               jax.random.fold_in(key0, step), f, targets)
       tokens_done += B * L
       done = step + 1
       final = done == config.train.steps
@@ -432,9 +474,9 @@ def evaluate(eval_step, dparams, target, data, config, key0, batch_of) -> dict:
   n = max(1, data.size('eval') // B)
   acc_sum, cnt_sum, loss_sum, calib = 0, 0, 0.0, 0
   for i in range(n):
-    tokens, labels, f = batch_of(i)
+    tokens, labels, f, targets = batch_of(i)
     m = jax.device_get(eval_step(dparams, target.params, tokens, labels,
-                                 jax.random.fold_in(key0, 10**9 + i), f))
+                                 jax.random.fold_in(key0, 10**9 + i), f, targets))
     acc_sum = acc_sum + m['acc_by_pos'] * m['count_by_pos']
     cnt_sum = cnt_sum + m['count_by_pos']
     loss_sum += float(m['loss'])

@@ -44,6 +44,11 @@ def test_texts_are_deduplicated_and_packed_into_windows(tmp_path):
   assert [os.path.basename(p) for p, _ in texts] == ['a.py', 'c.py']
   w = corpus.windows([[1, 2, 3], [4, 5], [6, 7, 8, 9]], eos_id=0, seq_len=4)
   assert w.dtype == np.int32 and w.tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+  docs = [list(range(10 * d, 10 * d + 7)) for d in range(40)]  # the shuffled order: a fixed
+  plain, mixed = corpus.windows(docs, 0, 8), corpus.windows(docs, 0, 8, shuffle_seed=0)
+  assert sorted(map(tuple, mixed)) == sorted(map(tuple, plain))  # permutation of the windows,
+  assert mixed.tolist() != plain.tolist()  # not the file order (a prefix samples all files)
+  assert mixed.tolist() == corpus.windows(docs, 0, 8, shuffle_seed=0).tolist()
 
 
 def test_labels_are_the_target_argmax_at_every_position(tiny, tmp_path):
@@ -56,6 +61,8 @@ def test_labels_are_the_target_argmax_at_every_position(tiny, tmp_path):
       p, cfg, x, jnp.arange(16)[None].repeat(2, 0), M.init_cache(cfg, 2, 16),
       jnp.zeros((2,), jnp.int32))[0]))(params, tokens[:2]))
   assert got['next_ids'].tolist() == logits.argmax(-1).tolist()
+  odd = corpus.label_fn(cfg, top_k=3, chunk=12)(params, tokens[:2])  # 12 does not divide 16
+  assert odd['next_ids'].tolist() == got['next_ids'].tolist()
   assert len(set(got['next_ids'][0].tolist())) > 3  # (labels that vary with the context)
   top = np.argsort(-logits, -1)[..., :3]
   assert got['topk_ids'].tolist() == top.tolist()

@@ -281,6 +281,9 @@ def _with(c, field, value):
     ('train.compute_dtype', 'float16', r"train.compute_dtype='float16': use 'float32' or "
                                        r"'bfloat16'"),
     ('dtype', 'int8', r"dtype='int8': use 'float32' or 'bfloat16'"),
+    ('loss.soft', 0.5, r"loss.soft needs the target's distributions, which only a teacher-forced "
+                       r"corpus stores: set data.corpus_path"),
+    ('loss.soft', 1.5, r'loss.soft=1.5 must be in \[0, 1\]'),
 ])
 def test_training_config_errors_name_the_field(tiny_folder, distill_dir, tmp_path, field, value,
                                                match):
