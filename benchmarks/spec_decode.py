@@ -58,6 +58,7 @@ def main():
   parser.add_argument('--gamma', type=int, default=8)
   parser.add_argument('--n_branches', type=int, default=4)
   parser.add_argument('--tree_budget', type=int, default=0)
+  parser.add_argument('--redraft', default='exclude', help="'exclude' or 'merge'")
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--target', default='smollm2')
   parser.add_argument('--dtype', default='float32')
@@ -81,7 +82,8 @@ def main():
                target=args.target, dtype=args.dtype,
                max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
                drafter2=args.drafter2, stage_times=method != 'ar')
-      c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget)
+      c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
+                    redraft=args.redraft)
       stats = decoding.run(c, out=io.StringIO())
       with open(out) as f:
         return stats, [json.loads(line)['completion_ids'] for line in f]

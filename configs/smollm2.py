@@ -29,6 +29,9 @@ def get_config():
   c.spec.order = 'confidence'  # multi-step unmasking order: 'confidence' or 'left_to_right'
   c.spec.tree_budget = 0  # nodes verified per cycle, anchor included (0 = all; CPUs want few)
   c.spec.leniency = 0.0  # λ in [0, 1]: accept a draft x with λ + (1-λ) p(x); 0 = lossless
+  # A branch whose re-draft starts with the chain's own token: 'exclude' forbids that token
+  # there; 'merge' lets the branch follow the chain and hang where it first differs
+  c.spec.redraft = 'exclude'
   c.prompt = ''  # one prompt (neither prompt nor prompts_file: a demo prompt)...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line
   c.chat = True  # wrap each prompt in the model's chat template

@@ -139,21 +139,52 @@ def _chain_and_cuts(params, cfg, settings, state):
 
 
 def _chain_and_redrafts(params, cfg, settings, state, name: str):
-  """Drafter 1's chain [B, G], the K cuts [B, K] and the branches [B, K, G] re-drafted by
-  drafter `name` from its likely rejection points, argmax drafts (point masses). A branch's
-  first re-drafted token may not be the chain's token there: such a branch would repeat chain
-  nodes, and sample-and-match could never enter it although it is verified."""
+  """Drafter 1's chain [B, G], the K cuts [B, K], the branches [B, K, G] re-drafted by drafter
+  `name` from its likely rejection points (argmax drafts: point masses) and which branches are
+  kept [B, K].
+
+  A re-drafted token equal to the chain's at the branch's first position would repeat a chain
+  node: sample-and-match could never enter the branch although it is verified. settings.redraft
+  says what to do about it:
+    'exclude'  the chain's token is forbidden at that position (the drafter's next choice);
+    'merge'    the branch is drafted freely, and while it agrees with the chain it IS the chain:
+               its cut moves down to where it first differs (fewer nodes), and it is dropped if
+               it never differs or if an earlier branch hangs the same token at that cut."""
   chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
       params, cfg, settings, state)
-  forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)
+  merge = settings.redraft == 'merge'
+  forbid_BxKxG = None if merge else jnp.where(first_BxKxG, chain_BxG[:, None], -1)
   branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, name, prefix_BxKxG, ~keep_BxKxG,
                                 forbid_BxKxG)
-  return chain_BxG, cut_BxK, branch_BxKxG
+  keep_BxK = jnp.ones_like(cut_BxK, bool)
+  if merge:
+    cut_BxK, keep_BxK = merged_cuts(chain_BxG, branch_BxKxG)
+  return chain_BxG, cut_BxK, branch_BxKxG, keep_BxK
+
+
+def merged_cuts(chain_BxG, branch_BxKxG):
+  """(cut [B, K], keep [B, K]) of branches merged into the chain where they agree with it:
+  the cut is the last position of the common prefix (branch tokens up to it equal the chain's),
+  a branch equal to the chain throughout is not kept, nor one whose first token after its cut
+  repeats an earlier kept branch's at the same cut (it would be an unreachable twin)."""
+  G, K = chain_BxG.shape[1], branch_BxKxG.shape[1]
+  same_BxKxG = branch_BxKxG == chain_BxG[:, None]
+  cut_BxK = jnp.sum(jnp.cumprod(same_BxKxG, axis=2), axis=2).astype(jnp.int32) - 1
+  keep_BxK = cut_BxK < G - 1
+  first_BxK = jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, G - 1)[..., None],
+                                  2)[..., 0]
+  for k in range(1, K):  # K is small: a later twin of a kept branch is dropped
+    twin = keep_BxK[:, :k] & (cut_BxK[:, :k] == cut_BxK[:, k:k + 1]) & (
+        first_BxK[:, :k] == first_BxK[:, k:k + 1])
+    keep_BxK = keep_BxK.at[:, k].set(keep_BxK[:, k] & ~jnp.any(twin, axis=1))
+  return cut_BxK, keep_BxK
 
 
 def _redrafted(params, cfg, settings, state, name: str) -> tree_lib.Tree:
-  chain_BxG, cut_BxK, branch_BxKxG = _chain_and_redrafts(params, cfg, settings, state, name)
-  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size)
+  chain_BxG, cut_BxK, branch_BxKxG, keep_BxK = _chain_and_redrafts(params, cfg, settings, state,
+                                                                   name)
+  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size,
+                   branch_valid_BxK=keep_BxK)
 
 
 def dflash_dflash(params, cfg, settings, state) -> tree_lib.Tree:
@@ -196,23 +227,23 @@ def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
   """Beyond the paper: D2SD's tree plus prompt lookup's proposal as one more branch, verified
   in the same pass. It hangs under the deepest chain node it agrees with, and is dropped where
   its first new token repeats a sibling's (chain or drafter-2 branch at the same cut)."""
-  chain_BxG, cut_BxK, branch_BxKxG = _chain_and_redrafts(params, cfg, settings, state,
-                                                         'drafter2')
+  chain_BxG, cut_BxK, branch_BxKxG, keep_BxK = _chain_and_redrafts(params, cfg, settings, state,
+                                                                   'drafter2')
   lookup = pld(params, cfg, settings, state)  # a chain tree: [anchor, proposal ...]
   agree_BxG = jnp.cumprod(lookup.tokens_BxT == chain_BxG, axis=1).astype(bool)
   lookup_cut_B = jnp.sum(agree_BxG, axis=1) - 1  # deepest chain node on lookup's path
   depth = jnp.arange(settings.gamma)[None]
   first_B = jnp.take_along_axis(lookup.tokens_BxT, jnp.minimum(lookup_cut_B + 1,
                                                               settings.gamma - 1)[:, None], 1)[:, 0]
-  repeats = jnp.any((cut_BxK == lookup_cut_B[:, None]) &
+  repeats = jnp.any(keep_BxK & (cut_BxK == lookup_cut_B[:, None]) &
                     (jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, settings.gamma - 1)
                                          [..., None], 2)[..., 0] == first_B[:, None]), axis=1)
   lookup_valid_BxG = lookup.valid_BxT & ~repeats[:, None] & (depth > lookup_cut_B[:, None])
-  ones_BxKxG = jnp.ones_like(branch_BxKxG, bool)
+  keep_BxKxG = jnp.broadcast_to(keep_BxK[..., None], branch_BxKxG.shape)
   return pack_tree(state.anchor_B, chain_BxG,
                    jnp.concatenate([branch_BxKxG, lookup.tokens_BxT[:, None]], 1),
                    jnp.concatenate([cut_BxK, lookup_cut_B[:, None]], 1), settings.tree_size,
-                   branch_valid_BxK=jnp.concatenate([ones_BxKxG, lookup_valid_BxG[:, None]], 1))
+                   branch_valid_BxK=jnp.concatenate([keep_BxKxG, lookup_valid_BxG[:, None]], 1))
 
 
 def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,

@@ -48,6 +48,7 @@ class SpecSettings:
   order: str = 'confidence'  # multi-step unmasking order ('confidence' or 'left_to_right')
   tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
   leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
+  redraft: str = 'exclude'  # a re-draft starting with the chain's token: 'exclude' or 'merge'
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
@@ -68,6 +69,10 @@ class SpecSettings:
       raise ValueError(f'steps={self.steps} must be >= 1 (denoising passes per block)')
     if self.order not in ('confidence', 'left_to_right'):
       raise ValueError(f"order={self.order!r}: use 'confidence' or 'left_to_right'")
+    if self.redraft not in ('exclude', 'merge'):
+      raise ValueError(f"redraft={self.redraft!r}: use 'exclude' (forbid the chain's token at a "
+                       "branch's first position) or 'merge' (a branch follows the chain while "
+                       'it agrees)')
     if not 0.0 <= self.leniency <= 1.0:
       raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
     if self.tree_budget and self.tree_budget < self.gamma:

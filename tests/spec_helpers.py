@@ -414,19 +414,38 @@ def check_branch_points():
     assert got[b].tolist() == sorted(range(7), key=lambda i: -r[i])[:3], (b, got[b], r)
 
 
+def check_merged_cuts():
+  """redraft='merge': a branch's cut is its last position agreeing with the chain; a branch
+  equal to the chain, or the later of two that leave it at the same node with the same token,
+  is dropped."""
+  chain = jnp.asarray([[50, 1, 2, 3, 4, 5]])
+  branches = jnp.asarray([[[50, 1, 9, 9, 9, 9],    # cut 0, agrees at 1: hangs at 1
+                           [50, 1, 2, 3, 4, 5],    # equal throughout: dropped
+                           [50, 1, 2, 3, 8, 8],    # cut 2 -> 3
+                           [50, 1, 9, 7, 7, 7]]])  # leaves at 1 with 9 like branch 0: dropped
+  cut, keep = drafting.merged_cuts(chain, branches)
+  assert cut.tolist() == [[1, 5, 3, 1]] and keep.tolist() == [[True, False, True, False]]
+
+
 def check_every_verified_node_reachable(tiny, bundle, methods=('dflash_resample', 'dflash_dflash',
                                                                'd2sd', 'd2sd_pld')):
   """No verified node is a repeat of an earlier sibling's token (sample-and-match could never
   enter it): every valid node of every tree drafted along a generation is reachable."""
   cfg, _ = tiny
   gen = G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
-  for method in methods:
+  runs = [(m, 'exclude') for m in methods] + [(m, 'merge') for m in methods
+                                                if m in ('dflash_dflash', 'd2sd', 'd2sd_pld')]
+  for method, redraft in runs:
     spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
-                           n_branches=3)
+                           n_branches=3, redraft=redraft)
     trees = []
     run_cycles(cfg, bundle, spec, PROMPTS, check_caches=False,
                on_cycle=lambda state, tree, acc, new: trees.append((state.done_B, tree)))
+    shrunk = 0
     for done, tree in trees:
       live = ~np.asarray(done)[:, None]
       unreachable = np.asarray(tree.valid_BxT & ~tree_lib.reachable(tree)) & live
-      assert not unreachable.any(), (method, np.argwhere(unreachable))
+      assert not unreachable.any(), (method, redraft, np.argwhere(unreachable))
+      shrunk += int(np.sum((np.asarray(tree.valid_BxT).sum(1) < spec.tree_size) & live[:, 0]))
+    if redraft == 'merge' and method != 'd2sd_pld':
+      assert shrunk, method  # (branches did start on the chain's token and were merged)

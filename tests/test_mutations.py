@@ -62,8 +62,10 @@ MUTATIONS = {
         drafting, 'log_r = log_prefix + jnp.log1p(-c)',
         'log_r = jnp.cumsum(jnp.log(c), 1) + jnp.log1p(-jnp.roll(c, -1, 1))', 'branch_points'),
     'branches may repeat the chain token': (
-        drafting, 'forbid_BxKxG = jnp.where(first_BxKxG, chain_BxG[:, None], -1)',
-        'forbid_BxKxG = None', 'reachable'),
+        drafting, 'None if merge else jnp.where(first_BxKxG, chain_BxG[:, None], -1)', 'None',
+        'reachable'),
+    'merged twins kept': (
+        drafting, 'keep_BxK[:, k] & ~jnp.any(twin, axis=1)', 'keep_BxK[:, k]', 'merged_cuts'),
     'bonus drawn from p, not the residual': (
         tree_lib, 'bonus = sampling_lib.draw(u_bonus_B, jnp.log(r_BxV))',
         'bonus = sampling_lib.draw(u_bonus_B, jnp.log(p_BxTxV[jnp.arange(B), node]))',
@@ -94,6 +96,8 @@ def run_check(kind, tiny, trained):
     H.check_d2sd_tree_is_drafter2(tiny, trained)
   elif kind == 'branch_points':
     H.check_branch_points()
+  elif kind == 'merged_cuts':
+    H.check_merged_cuts()
   elif kind == 'reachable':
     H.check_every_verified_node_reachable(tiny, trained)
   elif kind == 'sibling_law':

@@ -158,16 +158,17 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
 # ----------------------------------------------------------------------------------------------
 # Drafter-based methods, with tiny drafters trained on the target: drafts are accepted.
 
-@pytest.mark.parametrize('method,steps,budget', [
-    ('dflash', 1, 0), ('dflash', 2, 0), ('dflash_resample', 1, 0), ('dflash_dflash', 1, 0),
-    ('d2sd', 1, 0), ('d2sd', 3, 11), ('d2sd_pld', 1, 0)])
-def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget):
+@pytest.mark.parametrize('method,steps,budget,redraft', [
+    ('dflash', 1, 0, 'exclude'), ('dflash', 2, 0, 'exclude'), ('dflash_resample', 1, 0, 'exclude'),
+    ('dflash_dflash', 1, 0, 'exclude'), ('d2sd', 1, 0, 'exclude'), ('d2sd', 3, 11, 'exclude'),
+    ('d2sd_pld', 1, 0, 'exclude'), ('d2sd', 1, 0, 'merge'), ('d2sd_pld', 1, 0, 'merge')])
+def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
   D2SD also on drafter 2's branches)."""
   cfg, params = tiny
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
-                         steps=steps, tree_budget=budget)
+                         steps=steps, tree_budget=budget, redraft=redraft)
   outs, counts = H.run_cycles(cfg, trained, spec, PROMPTS)
   assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)
   full = {'dflash': 5, 'd2sd_pld': 5 + 12 + 4}.get(method, 5 + 12)  # chain + 3 branches (+ pld)
@@ -187,6 +188,10 @@ def test_every_verified_node_is_reachable(tiny, trained):
 
 def test_branch_points_are_the_top_r_by_enumeration():
   H.check_branch_points()
+
+
+def test_merged_branches_hang_where_they_leave_the_chain():
+  H.check_merged_cuts()
 
 
 def key_bits(key):
