@@ -102,13 +102,17 @@ def main():
       same = sum(a == b for a, b in zip(ar_ids, ids))
       ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
       row = {'method': method, 'lossless': same == len(ar_ids),
-             'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats['tau'],
+             'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats.get('tau', 1.0),
              'ms_per_token': round(ms, 2), 'decode_tokens_per_s': stats['decode_tokens_per_s'],
-             'speedup_vs_ar': round(ar_ms / ms, 3), 'tree_size': stats['tree_size'],
-             'stage_ms': stats['stage_ms'], 'accepted_histogram': stats['accepted_histogram'],
+             'speedup_vs_ar': round(ar_ms / ms, 3), 'tree_size': stats.get('tree_size'),
+             'stage_ms': stats.get('stage_ms'),
+             'accepted_histogram': stats.get('accepted_histogram'),
              'prefill_s': stats['prefill_s']}
+      for k in ('auto_choice', 'predicted_tokens_per_s'):  # method=auto: its choice, prediction
+        if k in stats:
+          row[k] = stats[k]
       print(json.dumps(row), flush=True)
-      summary[f'{method}_tau'] = stats['tau']
+      summary[f'{method}_tau'] = row['tau']
       summary[f'{method}_speedup'] = row['speedup_vs_ar']
       if not row['lossless']:
         raise SystemExit(f'{method} changed {len(ar_ids) - same} completions: not lossless')
