@@ -2,7 +2,8 @@
 target and any prompts file.
 
   python benchmarks/spec_decode.py [--prompts 20] [--new_tokens 128] [--methods pld]
-      [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat]
+      [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
+      [--redraft exclude|merge]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
@@ -59,6 +60,7 @@ def main():
   parser.add_argument('--n_branches', type=int, default=4)
   parser.add_argument('--tree_budget', type=int, default=0)
   parser.add_argument('--redraft', default='exclude', help="'exclude' or 'merge'")
+  parser.add_argument('--steps', type=int, default=1, help='denoising passes per block')
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--target', default='smollm2')
   parser.add_argument('--dtype', default='float32')
@@ -83,7 +85,7 @@ def main():
                max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
                drafter2=args.drafter2, stage_times=method != 'ar')
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
-                    redraft=args.redraft)
+                    redraft=args.redraft, steps=args.steps)
       stats = decoding.run(c, out=io.StringIO())
       with open(out) as f:
         return stats, [json.loads(line)['completion_ids'] for line in f]

@@ -110,9 +110,10 @@ def optimizer(config):
                      optax.adamw(schedule, weight_decay=t.weight_decay))
 
 
-def sample_blocks(key, label_mask_BxL, config, gamma: int):
+def sample_blocks(key, label_mask_BxL, config, gamma: int, evaluate: bool = False):
   """Anchors at positions whose next token is a label (response region), + prefix lengths and
-  loss weights for this drafter kind."""
+  loss weights for this drafter kind; partly revealed blocks (loss.reveal) in training only:
+  held-out figures measure the fully masked blocks of one-step decoding."""
   B, L = label_mask_BxL.shape
   A = config.train.anchors_per_seq
   k_anchor, k_prefix = jax.random.split(key)
@@ -128,7 +129,7 @@ def sample_blocks(key, label_mask_BxL, config, gamma: int):
     prefix = jax.random.choice(k_prefix, gamma - 1, (B, A), p=prior).astype(jnp.int32)
     weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau).reshape(B, A, gamma)
   reveal = None
-  if config.loss.get('reveal', 0.0) > 0:  # partly unmasked blocks (multi-step denoising)
+  if config.loss.get('reveal', 0.0) > 0 and not evaluate:  # partly unmasked (multi-step)
     reveal = losses.random_reveal(jax.random.fold_in(key, 7), (B, A, gamma), prefix,
                                   config.loss.reveal)
   return anchors.astype(jnp.int32), prefix, weights, reveal
@@ -208,7 +209,7 @@ def make_train_step(config, tcfg, dcfg, opt):
 
   def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None):
     trainable, fixed = drafter_lib.split_fixed(dparams)
-    blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma, evaluate=True)
     return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
                    calibrate=True)[1]
 

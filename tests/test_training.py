@@ -387,3 +387,14 @@ def test_the_readme_pod_recipe_is_valid_and_fits_a_v5e_chip():
   assert c.train.batch_size % (4 * c.train.grad_accum) == 0
   total = sum(memory.training_memory(c, tcfg, 4, 8).values())
   assert total < 8 * memory.GiB, total / memory.GiB
+
+
+def test_held_out_blocks_are_fully_masked_even_when_training_reveals(tiny_folder, distill_dir):
+  """loss.reveal partly unmasks training blocks only: evaluation measures the fully masked
+  blocks that one-step decoding drafts (revealed blocks would inflate the held-out τ)."""
+  c = tiny_config(tiny_folder, distill_dir, '')
+  c.loss.reveal = 1.0
+  mask = np.ones((3, 24), bool)
+  *_, train_reveal = training.sample_blocks(jax.random.PRNGKey(0), mask, c, 4)
+  *_, eval_reveal = training.sample_blocks(jax.random.PRNGKey(0), mask, c, 4, evaluate=True)
+  assert np.asarray(train_reveal).any() and eval_reveal is None
