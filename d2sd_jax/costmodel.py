@@ -1,11 +1,16 @@
 """What each stage of a speculative cycle costs on a device: measured here, or predicted for
 hardware we cannot run on.
 
-Measured (`measure`): the compiled programs themselves, each timed alone on the state after a
-prefill of `context` tokens (median of repeats): one AR decode step (generate.decode_step), a
-verification pass of T nodes for T in a grid (speculative.verify), each drafting
-configuration's draft (speculative.draft), and acceptance + commit of T nodes
-(speculative.accept_and_commit). The result is cached as JSON under
+Measured (`measure`), on the state after a prefill of `context` tokens (median of repeats):
+  - as the decode loop runs them: the AR step and each drafting configuration's whole cycle
+    (speculative.spec_step), each timed as LOOP_ITERS iterations of one jitted lax.fori_loop,
+    so the KV cache is updated in place as in the real while_loop. A program called on its own
+    returns a fresh copy of the state (cache included) every call, whose allocation and copy
+    made an AR step 35 % dearer than inside the loop;
+  - the parts, each compiled and timed alone (with that overhead; for the breakdown and for
+    tree sizes not measured as a whole cycle): a verification pass of T nodes for T in a grid
+    (speculative.verify), each drafting configuration's draft (speculative.draft), and
+    acceptance + commit of T nodes (speculative.accept_and_commit). The result is cached as JSON under
 ~/.cache/d2sd_jax/costs/ (D2SD_COST_CACHE overrides), keyed by the device kind, the target's and
 drafters' shapes and dtypes, the batch, the context and what was measured; `--force` measures
 again.
@@ -93,6 +98,7 @@ class CycleCosts:
   verify: dict  # tree nodes T -> s
   accept: dict  # tree nodes T -> s (acceptance + commit)
   draft: dict  # draft_key(...) -> s
+  cycles: dict = dataclasses.field(default_factory=dict)  # cycle_key(spec) -> s, in the loop
 
   def at(self, table: str, nodes: int) -> float:
     """verify / accept cost of `nodes` nodes, linear between the measured sizes."""
@@ -101,7 +107,10 @@ class CycleCosts:
     return float(np.interp(nodes, sizes, [by_size[k] for k in sizes]))
 
   def cycle(self, spec: SP.SpecSettings) -> float:
-    """One verification cycle of `spec`: draft + verify + accept (one program in the loop)."""
+    """One verification cycle of `spec`: as measured inside the loop when it was, else
+    draft + verify + accept from the parts."""
+    if cycle_key(spec) in self.cycles:
+      return self.cycles[cycle_key(spec)]
     return (self.draft[draft_key(spec)] + self.at('verify', spec.tree_size) +
             self.at('accept', spec.tree_size))
 
@@ -119,6 +128,19 @@ class CycleCosts:
 def draft_key(spec: SP.SpecSettings) -> str:
   """What a draft's cost depends on: the method, the block, K and the denoising steps."""
   return f'{spec.method}:G={spec.gamma}:K={spec.n_branches}:steps={spec.steps}'
+
+
+def cycle_key(spec: SP.SpecSettings) -> str:
+  """What a whole cycle's cost depends on: the draft and the verified tree's size."""
+  return f'{draft_key(spec)}:T={spec.tree_size}'
+
+
+LOOP_ITERS = 8  # iterations per timed loop program (its one copy of the state is amortised)
+
+
+def _loop(step):
+  """jit(state -> LOOP_ITERS applications of `step` in one lax.fori_loop)."""
+  return jax.jit(lambda s: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x), s))
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -152,7 +174,7 @@ def _cache_key(tcfg, params, specs, batch, context, sizes) -> str:
   blob = json.dumps([dev.platform, dev.device_kind, len(jax.devices()), repr(tcfg),
                      repr(shapes), sorted(draft_key(s) + repr((s.drafter1, s.drafter2))
                                           for s in specs), batch, context, list(sizes),
-                     jax.__version__], sort_keys=True, default=str)
+                     jax.__version__, 'loop-v2'], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -167,23 +189,26 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   if use_cache and os.path.exists(path):
     with open(path) as f:
       return CycleCosts.from_json(json.load(f))
-  gen = G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+  max_gamma = max((s.gamma for s in specs), default=1)
+  # (rows never finish inside a timed loop: every iteration does a full step's work)
+  gen = G.GenerationSettings(max_new_tokens=LOOP_ITERS * max_gamma + 8, eos_ids=(), pad_id=0)
   block, lens = _synthetic_prompt(tcfg.vocab_size, batch, context)
   keys = G.row_keys(0, range(batch))
-  cache_size = context + 64 + max(max(sizes), max((s.tree_size for s in specs), default=0))
+  cache_size = context + 64 + LOOP_ITERS * max_gamma + max(
+      max(sizes), max((s.tree_size for s in specs), default=0))
   log(f'measuring cycle costs on {jax.devices()[0].device_kind} (batch {batch}, context '
       f'{context}); cached in {path}')
 
   ar_state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(params['target'], tcfg, gen, block,
                                                           lens, keys, cache_size)
-  ar = jax.jit(G.decode_step, static_argnums=(1, 2))
-  ar_step = _median_s(lambda: ar(params['target'], tcfg, gen, ar_state), repeats)
+  ar_loop = _loop(lambda s: G.decode_step(params['target'], tcfg, gen, s))
+  ar_step = _median_s(lambda: ar_loop(ar_state), repeats) / LOOP_ITERS
 
   init = jax.jit(SP.init_state, static_argnums=(1, 2, 6))
   verify = jax.jit(SP.verify, static_argnums=(1, 2))
   accept = jax.jit(SP.accept_and_commit, static_argnums=(1,))
   draft = jax.jit(SP.draft, static_argnums=(1, 2))
-  verify_s, accept_s, draft_s = {}, {}, {}
+  verify_s, accept_s, draft_s, cycle_s = {}, {}, {}, {}
   target_only = {'target': params['target']}
   for T in sizes:
     spec = _chain_spec(gen, T)
@@ -198,8 +223,11 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
     bundle = {n: params[n] for n in ('target',) + spec.drafters}
     state = init(bundle, tcfg, spec, block, lens, keys, cache_size)
     draft_s[draft_key(spec)] = _median_s(lambda: draft(bundle, tcfg, spec, state), repeats)
+    loop = _loop(lambda s, b=bundle, sp=spec: SP.spec_step(b, tcfg, sp, s))
+    cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state), repeats) / LOOP_ITERS
   costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
-                     ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s)
+                     ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
+                     cycles=cycle_s)
   os.makedirs(cache_dir(), exist_ok=True)
   tmp = f'{path}.{os.getpid()}.tmp'
   with open(tmp, 'w') as f:
@@ -259,7 +287,7 @@ def predict(tcfg: model_lib.ModelConfig, chip: Chip, specs: list[SP.SpecSettings
                        tparams, block, lens, keys)
   ar_flops = _program_flops(G.decode_step, (1, 2), tparams, tcfg, gen, ar_state)
   ar_step = roofline(ar_flops, w_bytes + kv_read)
-  verify_s, accept_s, draft_s = {}, {}, {}
+  verify_s, accept_s, draft_s, cycle_s = {}, {}, {}, {}
   for T in sizes:
     T = max(T, 2)
     spec = _chain_spec(gen, T)
