@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from d2sd_jax import autoconfig
 from d2sd_jax import costmodel
 from d2sd_jax import decoding
 from d2sd_jax import drafter as D
@@ -137,7 +138,12 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   assert stats['predicted_tokens_per_s'] == table[best]['predicted_tokens_per_s']
   assert stats['method'] == table[best]['method']
   for row in table.values():
-    assert row['tau'] >= 1.0 and row['cycle_ms'] > 0
+    assert row['tau'] >= 1.0 and row['cycle_ms'] > 0 and row['model_cycle_ms'] > 0
+    # the probe's own cycle time where it ran long enough, the cost model's otherwise
+    assert row['cycle_ms'] == (row['probe_cycle_ms'] if row['probe_cycles'] >=
+                               autoconfig.MIN_PROBE_CYCLES else row['model_cycle_ms'])
+  assert table['ar']['probe_cycles'] >= autoconfig.MIN_PROBE_CYCLES  # (the probe's time used)
+  for row in table.values():
     expected = throughput.tokens_per_s(row['tau'], row['cycle_ms'] / 1e3, stats['batch_size'])
     assert abs(row['predicted_tokens_per_s'] - expected) <= 0.01 * expected + 0.01
   assert list(itertools.islice(cost_cache.iterdir(), 1))  # the measured costs were cached
