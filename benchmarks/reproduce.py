@@ -236,15 +236,22 @@ def markdown(out_dir: str) -> str:
           lines.append(f"| {key} | {r[key]} | {r['method']} | {r['tau']} | "
                        f"{r['decode_tokens_per_s']} | {r['speedup_vs_ar']} | {r['tree_size']} |")
     if 'calibration' in res:
-      lines += ['', f"calibration: {res['calibration']['png']}"] + [
-          json.dumps(r) for r in res['calibration']['rows']]
+      q = next((r for r in res['calibration']['rows'] if r.get('summary') == 'drafter_quality'),
+               None)
+      lines += ['', f"calibration: {os.path.relpath(res['calibration']['png'], ROOT)}" + (
+          '' if q is None else
+          f": drafter 1 ECE {q['ece_raw']} ({q['ece_calibrated']} at its stored temperature "
+          f"{q['temperature']}), chain τ estimate {q['tau_estimate_drafter1']}; drafter 2 beats "
+          f"drafter 1 at the first re-drafted position for {q['drafter2_better_first']} of "
+          f"{q['prefix_lengths']} prefix lengths")]
     if 'pareto' in res:
       lines += ['', '| steps | λ | τ | tokens/s | pass@1 | NLL/token | agreement | frontier |',
                 '|---|---|---|---|---|---|---|---|']
       for p in res['pareto']['points']:
         lines.append(f"| {p['steps']} | {p['leniency']} | {p['tau']} | "
                      f"{p['decode_tokens_per_s']} | {p['pass_at_1']:.2f} | "
-                     f"{p['nll_per_token']:.3f} | {p['agreement']} | "
+                     f"{p['nll_per_token']:.3f} | "
+                     f"{'–' if p['agreement'] is None else round(p['agreement'], 3)} | "
                      f"{'yes' if p['frontier'] else ''} |")
   return '\n'.join(lines)
 
