@@ -256,9 +256,9 @@ class SequenceData:
 
   def example(self, split: str, i: int) -> dict:
     """Window i as grain batches it; `index` finds its precomputed features. The labels are
-    the tokens themselves (`label_ids`): the target wrote them."""
+    the tokens themselves: the target wrote them."""
     tokens, labels = self.window(split, i)
-    return {'tokens': tokens, 'labels': labels, 'label_ids': tokens, 'index': np.int64(i)}
+    return {'tokens': tokens, 'labels': labels, 'index': np.int64(i)}
 
   def token_arrays(self, split: str) -> list[np.ndarray]:
     """The windows' tokens, one [N, L] array per part (features are computed per part)."""
@@ -364,6 +364,7 @@ class MixedData:
     if i >= n:
       return {**self.corpus.example(split, i - n, self.top_k), 'index': np.int64(i)}
     out = self.main.example(split, i)
+    out['label_ids'] = out['tokens']  # (every window of a batch carries the same fields)
     if self.top_k:
       out['topk_ids'] = np.zeros((self.seq_len, self.top_k), np.int32)
       out['topk_ids'][:, 0] = out['tokens']

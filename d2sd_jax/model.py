@@ -19,8 +19,9 @@ Parameter layout (`layers` is a list with one dict per layer):
   w_down       [D, F]
 Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = H / Hkv query
 heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
-Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products stream
-them 8-13 % faster than [in, out] at batch 1 and 8.
+Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products (one
+row, an AR step) stream them faster than [in, out]; for 8-36 rows (a verified tree) [in, out] is
+the faster one (benchmarks/matmul_layout.py).
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 
