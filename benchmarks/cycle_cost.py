@@ -168,7 +168,9 @@ def main():
     args.batch_context = 32
 
   cfg, params, (d1cfg, d1), (d2cfg, d2), prompts, loaded = load(args.quick)
-  bundle = {'target': params, 'drafter1': d1, 'drafter2': d2}
+  # As decoding.SpecRunner runs them (drafter heads gathered once; [in, out] copies on a CPU);
+  # the AR step reads the plain target, as decoding.ARRunner does.
+  bundle = SP.prepare({'target': params, 'drafter1': d1, 'drafter2': d2}, cfg)
   gamma, R = d1cfg.gamma, args.repeats
   ms, ref_ms = {}, {}  # figure -> its median; the median of its reference, run alternately
 
@@ -228,8 +230,8 @@ def main():
     del ar_b
     gen_b = G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0, sampling=SAMPLED)
     settings = SP.SpecSettings(gen_b, method='pld', gamma=gamma)
-    state = spec_state({'target': params}, cfg, settings, block_b, lens_b, cache_b)
-    stages = cycle_stages({'target': params}, cfg, settings, state,
+    state = spec_state({'target': bundle['target']}, cfg, settings, block_b, lens_b, cache_b)
+    stages = cycle_stages({'target': bundle['target']}, cfg, settings, state,
                           ('verify', 'accept', 'accept_commit'))
     ms['accept_pld_sampled_b'], verify_a = paired_ms(stages['accept'], stages['verify'], R)
     ms['accept_commit_pld_sampled_b'], verify_b = paired_ms(stages['accept_commit'],

@@ -174,7 +174,7 @@ def _cache_key(tcfg, params, specs, batch, context, sizes) -> str:
   blob = json.dumps([dev.platform, dev.device_kind, len(jax.devices()), repr(tcfg),
                      repr(shapes), sorted(draft_key(s) + repr((s.drafter1, s.drafter2))
                                           for s in specs), batch, context, list(sizes),
-                     jax.__version__, 'loop-v2'], sort_keys=True, default=str)
+                     jax.__version__, 'loop-v3'], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -199,9 +199,11 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   log(f'measuring cycle costs on {jax.devices()[0].device_kind} (batch {batch}, context '
       f'{context}); cached in {path}')
 
-  ar_state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(params['target'], tcfg, gen, block,
+  ar_params = params['target']  # as decoding.ARRunner runs it
+  params = SP.prepare(params, tcfg)  # as decoding.SpecRunner runs the speculative programs
+  ar_state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(ar_params, tcfg, gen, block,
                                                           lens, keys, cache_size)
-  ar_loop = _loop(lambda s: G.decode_step(params['target'], tcfg, gen, s))
+  ar_loop = _loop(lambda s: G.decode_step(ar_params, tcfg, gen, s))
   ar_step = _median_s(lambda: ar_loop(ar_state), repeats) / LOOP_ITERS
 
   init = jax.jit(SP.init_state, static_argnums=(1, 2, 6))

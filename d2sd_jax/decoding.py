@@ -240,7 +240,7 @@ class ARRunner(Runner):
 class SpecRunner(Runner):
 
   def __init__(self, params: dict, cfg, settings: SP.SpecSettings, prompt_len: int):
-    super().__init__(params, cfg, SP.init_state, SP.spec_loop, settings,
+    super().__init__(SP.prepare(params, cfg), cfg, SP.init_state, SP.spec_loop, settings,
                      SP.cache_size_needed(prompt_len, settings))
     self.settings = settings
 

@@ -119,6 +119,21 @@ def split_fixed(dparams: dict) -> tuple[dict, dict]:
   return {k: v for k, v in dparams.items() if k != 'head_ids'}, fixed
 
 
+def for_decoding(dparams: dict, tparams: dict, tcfg: model_lib.ModelConfig) -> dict:
+  """Drafter parameters with what decoding derives from them computed once, not every pass:
+  the head's rows of the target's output matrix, gathered and stored [in, out] (`head_io`; the
+  gather alone was half of D2SD's drafting time on a CPU), and [in, out] copies of the
+  projections (`model.with_row_layout`; drafter passes always have several rows) and of `fc`.
+  Training keeps the plain parameters (the head follows the target's weights). Idempotent."""
+  out = model_lib.with_row_layout(dparams)
+  if 'fc_io' not in out:
+    out['fc_io'] = dparams['fc'].T
+  if 'head_ids' in dparams and 'head_io' not in dparams:
+    head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
+    out['head_io'] = head_VxD[dparams['head_ids']].T
+  return out
+
+
 def head_index(dparams: dict, tokens, vocab_size: int):
   """Where each token sits in the drafter's head (-1: the head cannot predict it)."""
   if 'head_ids' not in dparams:
@@ -137,7 +152,7 @@ def context_kv(dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN):
   """Per-layer keys/values [B, KVH, N, hd] of context tokens from their target features."""
   lcfg = dcfg.layer_config(1)
   h_BxNxW = model_lib.rms_norm(
-      jnp.einsum('bnf,wf->bnw', features_BxNxF.astype(jnp.float32), dparams['fc']),
+      model_lib.linear(features_BxNxF.astype(jnp.float32), dparams['fc'], dparams.get('fc_io')),
       dparams['fc_norm'], dcfg.norm_eps)
   out = []
   for lp in dparams['layers']:
@@ -189,8 +204,11 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])
   if 'head_ids' not in dparams:
     return model_lib.logits(tparams, tcfg, h)
-  head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
-  sub = jnp.einsum('bqd,nd->bqn', h, head_VxD[dparams['head_ids']]).astype(jnp.float32)
+  if 'head_io' in dparams:  # `for_decoding`: the head's rows gathered once, [in, out]
+    sub = jnp.einsum('bqd,dn->bqn', h, dparams['head_io'], preferred_element_type=jnp.float32)
+  else:
+    head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
+    sub = jnp.einsum('bqd,nd->bqn', h, head_VxD[dparams['head_ids']]).astype(jnp.float32)
   if head_only:
     return sub
   full = jnp.full(sub.shape[:2] + (tcfg.vocab_size,), -jnp.inf, jnp.float32)

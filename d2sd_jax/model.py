@@ -170,9 +170,42 @@ def causal_mask(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
 
 
-def _linear(x_BxTxI, w_OxI):
-  """x @ w.T, float32 out (see Precision in the module docstring)."""
+def linear(x_BxTxI, w_OxI, w_IxO=None):
+  """x @ w.T, float32 out (see Precision in the module docstring). With w_IxO, the same matrix
+  stored [in, out] (`with_row_layout`), inputs of more than one row are multiplied by that: the
+  faster layout for several rows on XLA:CPU; one row keeps [out, in]."""
+  B, T, _ = x_BxTxI.shape
+  if w_IxO is not None and B * T > 1:
+    return jnp.einsum('bti,io->bto', x_BxTxI, w_IxO, preferred_element_type=jnp.float32)
   return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
+
+
+ROW_LAYOUT = ('wqkv', 'wo', 'w_gate_up', 'w_down')  # the projections `with_row_layout` copies
+
+
+def as_matrix(lp, name: str):
+  """A layer's projection as the 2-D [out, in] matrix the matmul reads (a free reshape)."""
+  w = lp[name]
+  return w.reshape(-1, w.shape[-1])
+
+
+def with_row_layout(params: Params) -> Params:
+  """params plus an [in, out] copy of every projection (`<name>_io`) and of the LM head
+  (`head_io`), which `linear` and `logits` use for inputs of several rows: a verified tree,
+  the drafters' blocks, a prefill. One-row inputs (AR steps) keep the [out, in] originals, their
+  faster layout. Measured on XLA:CPU by benchmarks/matmul_layout.py and benchmarks/cycle_cost.py;
+  it costs a second copy of the weights, so it is for CPUs (accelerators choose layouts
+  themselves). The copies are exact: outputs differ from the originals' only by float32
+  summation order. Idempotent."""
+  if not params.get('layers') or 'wqkv_io' in params['layers'][0]:
+    return params
+  layers = [dict(lp, **{f'{n}_io': as_matrix(lp, n).T for n in ROW_LAYOUT if n in lp})
+            for lp in params['layers']]
+  out = dict(params, layers=layers)
+  if 'embed' in params:  # a target (drafters have no head of their own)
+    head_VxD = params['lm_head'] if 'lm_head' in params else params['embed']
+    out['head_io'] = head_VxD.T
+  return out
 
 
 UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
@@ -204,11 +237,11 @@ def read_rows(cache_BxHkvxSxhd, start_B, length: int):
 
 def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
   """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs."""
-  B, T, D = h_BxTxD.shape
+  B, T, _ = h_BxTxD.shape
   Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
   # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
   # transpose it every step.
-  qkv = _linear(h_BxTxD, lp['wqkv'].reshape(-1, D)).reshape(B, T, Hkv, Hg + 2, hd)
+  qkv = linear(h_BxTxD, as_matrix(lp, 'wqkv'), lp.get('wqkv_io')).reshape(B, T, Hkv, Hg + 2, hd)
   if cfg.qkv_bias:
     qkv = qkv + lp['bqkv']
   q_BxTxHkvxHgxhd = qkv[:, :, :, :Hg]
@@ -295,7 +328,7 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   the drafters, whose block tokens are never cached).
   block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
   """
-  B, T, D = x_BxTxD.shape
+  B, T, _ = x_BxTxD.shape
   hd = cfg.head_dim
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
   q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
@@ -318,12 +351,13 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
     after_reads_Bx1xTxhd = 0.0 * attn_BxTxE[:, None, :, :hd].astype(cdt)
     new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B),
               'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B)}
-  x_BxTxD = x_BxTxD + _linear(attn_BxTxE, lp['wo'])
+  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'], lp.get('wo_io'))
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
-  gate_up_BxTx2xF = _linear(h, lp['w_gate_up'].reshape(-1, D)).reshape(B, T, 2, -1)
+  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up'),
+                            lp.get('w_gate_up_io')).reshape(B, T, 2, -1)
   act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
-  x_BxTxD = x_BxTxD + _linear(act, lp['w_down'])
+  x_BxTxD = x_BxTxD + linear(act, lp['w_down'], lp.get('w_down_io'))
   return x_BxTxD, new_kv
 
 
@@ -371,7 +405,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
 def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
   """Float32 logits from final hidden states (tied or separate LM head)."""
   head_VxD = params['embed'] if cfg.tie_embeddings else params['lm_head']
-  return jnp.einsum('btd,vd->btv', hidden_BxTxD, head_VxD, preferred_element_type=jnp.float32)
+  return linear(hidden_BxTxD, head_VxD, params.get('head_io'))
 
 
 def param_bytes(params: Params) -> int:

@@ -229,3 +229,31 @@ def test_random_reveal_shows_only_positions_after_the_prefix(setup):
   _, m_shown = losses.drafter_loss(dparams, DCFG, tparams, tcfg, seq, feats,
                                    jnp.ones(seq.shape, bool), anchors, pre, w, reveal_BxAxG=shown)
   assert int(m_shown['count_by_pos'][1]) == 0 and int(m_all['count_by_pos'][1]) == 6
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_decoding_params_give_the_plain_params_logits(tiny, tied):
+  """drafter.for_decoding (the head's rows gathered once and stored [in, out], [in, out] copies
+  of the layers and of fc) changes only the summation order: same context K/V, same logits,
+  for a full head and a subset head, from a tied or untied target."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  tcfg = dataclasses.replace(tiny[0], tie_embeddings=tied)
+  tparams = M.init_params(tcfg, jax.random.PRNGKey(4), scale=1.2)
+  seq = jax.random.randint(jax.random.PRNGKey(5), (2, 14), 0, tcfg.vocab_size)
+  _, _, feats = M.forward(tparams, tcfg, seq, jnp.broadcast_to(jnp.arange(14), (2, 14)),
+                          M.init_cache(tcfg, 2, 14), jnp.zeros((2,), jnp.int32),
+                          feature_layers=DCFG.feature_layers)
+  feats = D.features_of(feats)
+  dparams = D.init_params(DCFG, tcfg, jax.random.PRNGKey(1))
+  ids = jnp.asarray([1, 4, 5, 9, 17, 30, 31, 40, 41, 50, 60, 63])
+  for plain in (dparams, {**dparams, 'head_ids': ids}):
+    fast = D.for_decoding(plain, tparams, tcfg)
+    assert D.for_decoding(fast, tparams, tcfg).keys() == fast.keys()
+    assert ('head_io' in fast) == ('head_ids' in plain)
+    B, G = seq.shape[0], DCFG.gamma
+    block, is_mask = seq[:, 6:6 + G], jnp.broadcast_to(jnp.arange(G) > 0, (B, G))
+    got = [decode_time_logits((tcfg, tparams, p, seq, feats), 6, block, is_mask)
+           for p in (plain, fast)]
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(got[0])).sum() == B * G * (
+        ids.shape[0] if 'head_ids' in plain else tcfg.vocab_size)

@@ -1,4 +1,5 @@
 """The functional target: cached decoding, tree verification, features, batching, dtypes."""
+import dataclasses
 import functools
 
 import jax
@@ -180,3 +181,40 @@ def test_prefill_through_fresh_attention_equals_the_general_form(tiny):
                     feature_layers=(0, 1, 2), fresh=fresh) for fresh in (False, True)]
   for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_row_layout_copies_change_only_the_summation_order(tiny, tied):
+  """with_row_layout's [in, out] copies (several-row inputs read them): a verified tree gives the
+  plain weights' logits, cache and features; a one-row step reads the originals, bit for bit."""
+  cfg = dataclasses.replace(tiny[0], tie_embeddings=tied)
+  params = M.init_params(cfg, jax.random.PRNGKey(3), scale=1.2)
+  fast = M.with_row_layout(params)
+  assert M.with_row_layout(fast) is fast
+  assert ('lm_head' in params) == (not tied)
+  rng = np.random.default_rng(2)
+  ctx = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 6)))
+  _, anc, depth = random_tree(rng, 7)
+  nodes = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)))
+
+  @jax.jit
+  def run(p):
+    h, cache, _ = M.forward(p, cfg, ctx, jnp.broadcast_to(jnp.arange(6), (2, 6)),
+                            M.init_cache(cfg, 2, 16), jnp.zeros((2,), jnp.int32))
+    six = jnp.full((2,), 6, jnp.int32)
+    tree_h, tree_cache, feats = M.forward(
+        p, cfg, nodes, six[:, None] + jnp.asarray(depth)[None], cache, six,
+        jnp.broadcast_to(jnp.asarray(anc), (2, 7, 7)), feature_layers=(1, 2))
+    return M.logits(p, cfg, h), M.logits(p, cfg, tree_h), tree_cache, feats, cache
+
+  @jax.jit
+  def step(p, cache):  # one row: an AR step
+    six = jnp.full((1,), 6, jnp.int32)
+    h, _, _ = M.forward(p, cfg, nodes[:1, :1], six[:, None], cache, six)
+    return M.logits(p, cfg, h)
+
+  plain, copied = run(params), run(fast)
+  for a, b in zip(jax.tree.leaves(plain[:4]), jax.tree.leaves(copied[:4])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  row0 = [{k: v[:1] for k, v in kv.items()} for kv in plain[4]]
+  np.testing.assert_array_equal(step(params, row0), step(fast, row0))

@@ -164,12 +164,15 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
     ('d2sd_pld', 1, 0, 'exclude'), ('d2sd', 1, 0, 'merge'), ('d2sd_pld', 1, 0, 'merge')])
 def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
-  D2SD also on drafter 2's branches)."""
+  D2SD also on drafter 2's branches). The bundle is prepared as decoding.SpecRunner prepares it
+  (drafter heads gathered once, [in, out] copies); the other tests use the plain one."""
   cfg, params = tiny
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
                          steps=steps, tree_budget=budget, redraft=redraft)
-  outs, counts = H.run_cycles(cfg, trained, spec, PROMPTS)
+  bundle = SP.prepare(trained, cfg, row_layout=True)
+  assert 'head_io' in bundle['target'] and 'fc_io' in bundle['drafter1']
+  outs, counts = H.run_cycles(cfg, bundle, spec, PROMPTS)
   assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)
   full = {'dflash': 5, 'd2sd_pld': 5 + 12 + 4}.get(method, 5 + 12)  # chain + 3 branches (+ pld)
   assert spec.tree_size == (budget or full)
