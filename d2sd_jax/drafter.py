@@ -123,11 +123,15 @@ def for_decoding(dparams: dict, tparams: dict, tcfg: model_lib.ModelConfig) -> d
   """Drafter parameters with what decoding derives from them computed once, not every pass:
   the head's rows of the target's output matrix, gathered and stored [in, out] (`head_io`; the
   gather alone was half of D2SD's drafting time on a CPU), and [in, out] copies of the
-  projections (`model.with_row_layout`; drafter passes always have several rows) and of `fc`.
+  projections (`model.with_row_layout`; drafter passes always have several rows), of `fc` and of
+  the key and value rows of wqkv (`wkv_io`: the context needs no queries).
   Training keeps the plain parameters (the head follows the target's weights). Idempotent."""
   out = model_lib.with_row_layout(dparams)
   if 'fc_io' not in out:
     out['fc_io'] = dparams['fc'].T
+    # wqkv is [Hkv, Hg + 2, hd, D]: the last two of axis 1 are each KV head's key and value.
+    out['layers'] = [dict(lp, wkv_io=lp['wqkv'][:, -2:].reshape(-1, lp['wqkv'].shape[-1]).T)
+                     for lp in out['layers']]
   if 'head_ids' in dparams and 'head_io' not in dparams:
     head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
     out['head_io'] = head_VxD[dparams['head_ids']].T
@@ -156,7 +160,7 @@ def context_kv(dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN):
       dparams['fc_norm'], dcfg.norm_eps)
   out = []
   for lp in dparams['layers']:
-    _, k, v = model_lib.qkv_projection(lcfg, lp, h_BxNxW, positions_BxN)
+    _, k, v = model_lib.qkv_projection(lcfg, lp, h_BxNxW, positions_BxN, keys_values_only=True)
     out.append({'k': k.transpose(0, 2, 1, 3), 'v': v.transpose(0, 2, 1, 3)})
   return out
 

@@ -235,10 +235,22 @@ def read_rows(cache_BxHkvxSxhd, start_B, length: int):
       cache_BxHkvxSxhd, start_B)
 
 
-def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT):
-  """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs."""
+def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT, keys_values_only=False):
+  """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs.
+  keys_values_only: (None, keys, values), projected through `wkv_io` (the key and value rows of
+  wqkv, [in, out]) where the layer has it (drafter.for_decoding: the drafters' context)."""
   B, T, _ = h_BxTxD.shape
   Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  if keys_values_only and 'wkv_io' in lp:
+    kv = jnp.einsum('bti,io->bto', h_BxTxD, lp['wkv_io'],
+                    preferred_element_type=jnp.float32).reshape(B, T, Hkv, 2, hd)
+    if cfg.qkv_bias:
+      kv = kv + lp['bqkv'][:, Hg:]
+    k_BxTxHkvxhd = kv[:, :, :, 0]
+    if cfg.qk_norm:
+      k_BxTxHkvxhd = rms_norm(k_BxTxHkvxhd, lp['k_norm'], cfg.norm_eps)
+    return None, rope(k_BxTxHkvxhd, positions_BxT, cfg.rope_base,
+                      cfg.rope_freq_factors), kv[:, :, :, 1]
   # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
   # transpose it every step.
   qkv = linear(h_BxTxD, as_matrix(lp, 'wqkv'), lp.get('wqkv_io')).reshape(B, T, Hkv, Hg + 2, hd)
