@@ -10,9 +10,10 @@ by one greedy AR step. Then batch --batch (100) at T = 0.6, top_k = 2, on the sa
 after a 64-token context (the first tokens of the first --batch HumanEval prompts; a shorter
 cache fits memory): a sampled AR step against a greedy one, and prompt lookup's acceptance
 against its verification. Every figure is the median of --repeats runs of a compiled program
-(block_until_ready); stages that write a cache get it donated and run again on their own
-output, as inside the decode loop, where XLA updates caches in place (timed without donation,
-every call would also copy the whole cache). Prints a table with the goals, then one JSON line;
+(block_until_ready) that runs the stage 8 times in one `lax.fori_loop`, as the decode loop runs
+it: stages that write a cache run on the last iteration's output, updated in place, and no
+figure includes a program call's dispatch (about 1 ms here, as much as acceptance itself).
+Prints a table with the goals, then one JSON line;
 --json also writes the figures to a file. --quick: a tiny random target and drafters, batch 8,
 3 repeats (a smoke test of this script, not a measurement).
 """
@@ -53,22 +54,42 @@ GOALS = {
 }
 
 
-class Stage:
-  """A compiled stage run again and again: `run()` times one call (seconds, until ready).
-  With `feed`, each call's output gives the next call's (donated) argument, as inside the
-  decode loop, where XLA updates the caches in place: without donation every call would also
-  copy them."""
+LOOP = 8  # iterations of a stage per timed program
 
-  def __init__(self, fn, arg=None, feed=None):
-    self.fn, self.arg, self.feed = fn, arg, feed
-    self.out = jax.block_until_ready(fn(arg))  # compiles, warms up
+
+class Stage:
+  """A stage timed as LOOP iterations of one `lax.fori_loop` program, as the decode loop runs
+  it (one program: no per-call dispatch, caches updated in place). `run()` times one program
+  call and returns the time per iteration (seconds, until ready).
+
+  step(carry) -> carry. Stages that update a cache carry it (each iteration runs on the last
+  one's output, donated). The others carry `tick`, a float scalar their inputs depend on
+  through `unknown_false(tick)` (so XLA cannot hoist the stage out of the loop) and their
+  output feeds back into (so it is computed)."""
+
+  def __init__(self, step, carry, inputs):
+    # `inputs` (everything else the stage reads) are arguments: closed-over arrays would be
+    # compile-time constants, which XLA may fold (a stage computed at compile time).
+    self.fn = jax.jit(lambda c, a: jax.lax.fori_loop(0, LOOP, lambda i, x: step(x, a), c),
+                      donate_argnums=(0,))
+    self.inputs = inputs
+    self.out = jax.block_until_ready(self.fn(carry, inputs))  # compiles, warms up
 
   def run(self) -> float:
-    if self.feed is not None:
-      self.arg = self.feed(self.out)
     t = time.perf_counter()
-    self.out = jax.block_until_ready(self.fn(self.arg))
-    return time.perf_counter() - t
+    self.out = jax.block_until_ready(self.fn(self.out, self.inputs))
+    return (time.perf_counter() - t) / LOOP
+
+
+def unknown_false(tick):
+  """A traced False: `tick` never reaches 1e30, but the compiler cannot know it."""
+  return tick > 1e30
+
+
+def tick_of(tick, tree) -> jax.Array:
+  """The next tick: depends on every array of `tree` (float `0 *` is not folded away)."""
+  return tick + sum(0.0 * jnp.sum(x).astype(jnp.float32) for x in jax.tree.leaves(tree)
+                    if x is not None)
 
 
 def paired_ms(stage: Stage, reference: Stage, repeats: int) -> tuple[float, float]:
@@ -78,45 +99,61 @@ def paired_ms(stage: Stage, reference: Stage, repeats: int) -> tuple[float, floa
   return tuple(1e3 * np.median(times, axis=0))
 
 
-def _verify_into(params, cfg, settings, cache, state, tree):
-  return SP.verify(params, cfg, settings, state.replace(cache=cache), tree)
-
-
-def _accept_commit_into(params, settings, caches, state, tree, verified):
-  cache, draft_caches = caches
-  return SP.accept_and_commit(params, settings, state.replace(draft_caches=draft_caches), tree,
-                              verified.replace(cache=cache))
+def _bumped(params, tick):
+  """The bundle with each drafter's mask embedding made to depend on `tick` (unchanged)."""
+  bump = lambda d: dict(d, mask_embed=jnp.where(unknown_false(tick), 0.0, d['mask_embed']))
+  return {k: bump(v) if k.startswith('drafter') else v for k, v in params.items()}
 
 
 def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
-  """The cycle's stages on one post-prefill state, each compiled alone."""
+  """The cycle's stages on one post-prefill state, each its own loop program."""
   draft = jax.jit(SP.draft, static_argnums=(1, 2))
-  verify = jax.jit(_verify_into, static_argnums=(1, 2), donate_argnums=(3,))
-  accept = jax.jit(SP.accept, static_argnums=(0,))
-  accept_commit = jax.jit(_accept_commit_into, static_argnums=(1,), donate_argnums=(2,))
+  verify = jax.jit(SP.verify, static_argnums=(1, 2))
   copy = lambda tree: jax.tree.map(jnp.copy, tree)
   tree = draft(params, cfg, settings, state)
-  verified = verify(params, cfg, settings, copy(state.cache), state, tree)
+  verified = verify(params, cfg, settings, state, tree)
   _, accept_key_B = state.cycle_keys
+  tick = lambda: jnp.zeros((), jnp.float32)  # a fresh one per stage (it is donated)
+
+  # Each step reads (params, state, tree, verified, accept key) as loop-invariant arguments.
+  def draft_step(t, a):
+    p, st, _, _, _ = a
+    return tick_of(t, SP.draft(_bumped(p, t), cfg, settings, st))
+
+  def verify_step(carry, a):  # the logits and features feed the tick: they are computed
+    (cache, t), (p, st, tr, _, _) = carry, a
+    v = SP.verify(p, cfg, settings, st.replace(cache=cache), tr)
+    return v.cache, tick_of(t, (v.logits_BxTxV, v.features))
+
+  def accept_step(t, a):
+    _, _, tr, v, key = a
+    bumped = tr.replace(tokens_BxT=tr.tokens_BxT + unknown_false(t).astype(jnp.int32))
+    acc = SP.accept(settings, bumped, v, key)
+    return tick_of(t, (acc.accept_len_B, acc.bonus_B, acc.path_BxC))
+
+  def accept_commit_step(carry, a):  # the rest of the new state feeds the tick
+    (cache, draft_caches, t), (p, st, tr, v, _) = carry, a
+    out = SP.accept_and_commit(p, settings, st.replace(draft_caches=draft_caches), tr,
+                               v.replace(cache=cache))
+    return out.cache, out.draft_caches, tick_of(t, out.replace(cache=None, draft_caches=None))
+
+  inputs = (params, state, tree, verified, accept_key_B)
   make = {
-      'draft': lambda: Stage(lambda _: draft(params, cfg, settings, state)),
-      'verify': lambda: Stage(lambda c: verify(params, cfg, settings, c, state, tree),
-                              copy(state.cache), feed=lambda v: v.cache),
-      'accept': lambda: Stage(lambda _: accept(settings, tree, verified, accept_key_B)),
+      'draft': lambda: Stage(draft_step, tick(), inputs),
+      'verify': lambda: Stage(verify_step, (copy(state.cache), tick()), inputs),
+      'accept': lambda: Stage(accept_step, tick(), inputs),
       'accept_commit': lambda: Stage(
-          lambda c: accept_commit(params, settings, c, state, tree, verified),
-          copy((verified.cache, state.draft_caches)), feed=lambda s: (s.cache, s.draft_caches)),
+          accept_commit_step, copy((verified.cache, state.draft_caches)) + (tick(),), inputs),
   }
   return {name: make[name]() for name in names}
 
 
 def ar_stage(params, cfg, gen, prompt_BxP, lens_B, cache_size) -> Stage:
-  """One decode_step after the prefill, its state donated and fed back (one token a call)."""
+  """decode_step after the prefill, each iteration on the last one's state (one token each)."""
   B = prompt_BxP.shape[0]
   state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(params, cfg, gen, prompt_BxP, lens_B,
                                                        G.row_keys(0, range(B)), cache_size)
-  step = jax.jit(G.decode_step, static_argnums=(1, 2), donate_argnums=(3,))
-  return Stage(lambda s: step(params, cfg, gen, s), state, feed=lambda s: s)
+  return Stage(lambda s, p: G.decode_step(p, cfg, gen, s), state, params)
 
 
 def spec_state(bundle, cfg, settings, prompt_BxP, lens_B, cache_size):
@@ -178,8 +215,9 @@ def main():
   prompt = max(prompts, key=len)[:args.prompt_tokens]
   gen = G.GenerationSettings(max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0)
   block, lens = G.pad_prompts([prompt], 0, bucket=64)
-  # One cache size for every program; room for the AR steps of every pairing.
-  cache_size = _round_up(block.shape[1] + max(args.new_tokens, 10 * (R + 1)) + 64, 64)
+  # One cache size for every program, as decode.py sizes it (an AR row stops advancing after
+  # new_tokens and goes on doing the same work at the same position).
+  cache_size = _round_up(block.shape[1] + args.new_tokens + 64, 64)
   ar = ar_stage(params, cfg, gen, block, lens, cache_size)
   ar_times = []
 
