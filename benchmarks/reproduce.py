@@ -1,6 +1,7 @@
 """One command for the papers' findings on this machine: JSON and PNG in results/.
 
   python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,scaling,pareto,calibration]
+      (--only reruns those sections and keeps the others from the existing JSON)
       [--drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2]
   python benchmarks/reproduce.py --markdown      # the README's tables, from results/*.json
 
@@ -40,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
 
+SECTIONS = ('ladder', 'scaling', 'pareto', 'calibration')
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
 
@@ -260,7 +262,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
   parser.add_argument('--quick', action='store_true', help='3 prompts, 32 tokens: a smoke run')
-  parser.add_argument('--only', default='ladder,scaling,pareto,calibration')
+  parser.add_argument('--only', default=','.join(SECTIONS),
+                      help='comma-separated sections to run; the others are kept from the '
+                      'existing JSON')
   parser.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   parser.add_argument('--drafter2', default='drafters/smollm2-drafter2')
   parser.add_argument('--markdown', action='store_true')
@@ -272,9 +276,20 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   n, tokens = (3, 32) if args.quick else (20, 128)
   settings = f'{n} prompts, {tokens} new tokens, batch 1, greedy unless stated'
-  dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
-  results = {'settings': settings}
+  name = 'reproduce-quick.json' if args.quick else 'reproduce.json'
+  path = os.path.join(args.out, name)
   only = args.only.split(',')
+  if set(only) - set(SECTIONS):
+    parser.error(f'--only {args.only}: sections are {",".join(SECTIONS)}')
+  results = {}
+  if os.path.exists(path) and set(only) != set(SECTIONS):  # --only: the other sections stay
+    with open(path) as f:
+      results = json.load(f)
+    if results.get('settings') != settings:
+      raise SystemExit(f'{path} holds a run with other settings ({results.get("settings")}): '
+                       'rerun every section, or write elsewhere with --out')
+  results['settings'] = settings
+  dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
   if 'ladder' in only:
     results['ladder'] = ladder(dec, n, tokens)
   if 'scaling' in only:
@@ -284,8 +299,7 @@ def main():
                                (0.0, 0.5) if args.quick else (0.0, 0.25, 0.5, 0.75))
   if 'calibration' in only:
     results['calibration'] = calibration(args.out, n, tokens, args.drafter1, args.drafter2)
-  name = 'reproduce-quick.json' if args.quick else 'reproduce.json'
-  with open(os.path.join(args.out, name), 'w') as f:
+  with open(path, 'w') as f:
     json.dump(results, f, indent=1)
   plots(results, args.out)
   print(markdown(args.out))

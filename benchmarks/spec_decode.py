@@ -110,7 +110,8 @@ def main():
              'stage_ms': stats.get('stage_ms'),
              'accepted_histogram': stats.get('accepted_histogram'),
              'prefill_s': stats['prefill_s']}
-      for k in ('auto_choice', 'predicted_tokens_per_s'):  # method=auto: its choice, prediction
+      # method=auto: its choice, prediction and every candidate's figures
+      for k in ('auto_choice', 'predicted_tokens_per_s', 'auto_candidates'):
         if k in stats:
           row[k] = stats[k]
       print(json.dumps(row), flush=True)

@@ -119,7 +119,13 @@ def test_roofline_prediction_at_qwen3_8b_shapes():
 # method='auto'
 
 
-def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folder, cost_cache):
+def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folder, cost_cache,
+                                                                      monkeypatch):
+  probed = []  # the prompts each probe decode got
+  real_decode = decoding.decode_prompts
+  monkeypatch.setattr(decoding, 'decode_prompts',
+                      lambda runner, tok, ids, *a: probed.append(len(ids)) or
+                      real_decode(runner, tok, ids, *a))
   target = loaders.load_target(tiny_folder)
   cfg = target.cfg
   dcfg = dataclasses.replace(TDCFG, gamma=4)
@@ -128,6 +134,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = decoding.Options(method='ar', max_new_tokens=10, chat=False)
   ar, _ = decoding.generate(target, drafters, prompts, base)
+  probed.clear()
   auto, stats = decoding.generate(target, drafters, prompts,
                                   dataclasses.replace(base, method='auto'))
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
@@ -143,6 +150,9 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
     assert row['cycle_ms'] == (row['probe_cycle_ms'] if row['probe_cycles'] >=
                                autoconfig.MIN_PROBE_CYCLES else row['model_cycle_ms'])
   assert table['ar']['probe_cycles'] >= autoconfig.MIN_PROBE_CYCLES  # (the probe's time used)
+  # Each candidate's probe: the first prompt to warm up (it counts for τ), then the other,
+  # timed; then the decode itself, both prompts in one batch-1 call.
+  assert probed == [1, 1] * len(table) + [2], probed
   for row in table.values():
     expected = throughput.tokens_per_s(row['tau'], row['cycle_ms'] / 1e3, stats['batch_size'])
     assert abs(row['predicted_tokens_per_s'] - expected) <= 0.01 * expected + 0.01
