@@ -21,7 +21,8 @@ Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = 
 heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
 Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products (one
 row, an AR step) stream them faster than [in, out]; for 8-36 rows (a verified tree) [in, out] is
-the faster one (benchmarks/matmul_layout.py).
+the faster one (benchmarks/matmul_layout.py), so on a CPU decoders add [in, out] copies
+(`with_row_layout`, through speculative.prepare) that several-row inputs read.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 
