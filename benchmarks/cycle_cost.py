@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 from spec_decode import humaneval_prompts  # pylint: disable=wrong-import-position
 
 from d2sd_jax import checkpoints as ckpt  # pylint: disable=wrong-import-position
+from d2sd_jax import costmodel  # pylint: disable=wrong-import-position
 from d2sd_jax import drafter as drafter_lib  # pylint: disable=wrong-import-position
 from d2sd_jax import generate as G  # pylint: disable=wrong-import-position
 from d2sd_jax import loaders  # pylint: disable=wrong-import-position
@@ -54,7 +55,7 @@ GOALS = {
 }
 
 
-LOOP = 8  # iterations of a stage per timed program
+LOOP = costmodel.LOOP_ITERS  # iterations of a stage per timed program (as costmodel.measure)
 
 
 class Stage:

@@ -83,8 +83,8 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
     tau = 1.0 if hist is None or not hist.sum() else throughput.tau_from_histogram(hist)
     cycle_s = probe_s if st['decode_steps'] >= MIN_PROBE_CYCLES else model_s
     table[label] = {'method': method, 'spec': knobs, 'tau': round(tau, 3),
-                    'cycle_ms': round(1e3 * cycle_s, 3), 'model_cycle_ms': round(1e3 * model_s, 3),
-                    'probe_cycle_ms': None if probe_s is None else round(1e3 * probe_s, 3),
+                    'cycle_ms': round(1e3 * cycle_s, 6), 'model_cycle_ms': round(1e3 * model_s, 6),
+                    'probe_cycle_ms': None if probe_s is None else round(1e3 * probe_s, 6),
                     'probe_cycles': st['decode_steps'],
                     'predicted_tokens_per_s': round(throughput.tokens_per_s(tau, cycle_s, batch),
                                                     2)}

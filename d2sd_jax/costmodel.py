@@ -139,8 +139,10 @@ LOOP_ITERS = 8  # iterations per timed loop program (its one copy of the state i
 
 
 def _loop(step):
-  """jit(state -> LOOP_ITERS applications of `step` in one lax.fori_loop)."""
-  return jax.jit(lambda s: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x), s))
+  """jit((state, inputs) -> LOOP_ITERS applications of `step(state, inputs)` in one
+  lax.fori_loop). The weights come in as `inputs`, arguments: closed over, they would be
+  compile-time constants that XLA may fold (work done at compile time, not timed)."""
+  return jax.jit(lambda s, a: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x, a), s))
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -174,7 +176,7 @@ def _cache_key(tcfg, params, specs, batch, context, sizes) -> str:
   blob = json.dumps([dev.platform, dev.device_kind, len(jax.devices()), repr(tcfg),
                      repr(shapes), sorted(draft_key(s) + repr((s.drafter1, s.drafter2))
                                           for s in specs), batch, context, list(sizes),
-                     jax.__version__, 'loop-v3'], sort_keys=True, default=str)
+                     jax.__version__, 'loop-v4'], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -203,8 +205,8 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   params = SP.prepare(params, tcfg)  # as decoding.SpecRunner runs the speculative programs
   ar_state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(ar_params, tcfg, gen, block,
                                                           lens, keys, cache_size)
-  ar_loop = _loop(lambda s: G.decode_step(ar_params, tcfg, gen, s))
-  ar_step = _median_s(lambda: ar_loop(ar_state), repeats) / LOOP_ITERS
+  ar_loop = _loop(lambda s, p: G.decode_step(p, tcfg, gen, s))
+  ar_step = _median_s(lambda: ar_loop(ar_state, ar_params), repeats) / LOOP_ITERS
 
   init = jax.jit(SP.init_state, static_argnums=(1, 2, 6))
   verify = jax.jit(SP.verify, static_argnums=(1, 2))
@@ -225,8 +227,8 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
     bundle = {n: params[n] for n in ('target',) + spec.drafters}
     state = init(bundle, tcfg, spec, block, lens, keys, cache_size)
     draft_s[draft_key(spec)] = _median_s(lambda: draft(bundle, tcfg, spec, state), repeats)
-    loop = _loop(lambda s, b=bundle, sp=spec: SP.spec_step(b, tcfg, sp, s))
-    cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state), repeats) / LOOP_ITERS
+    loop = _loop(lambda s, b, sp=spec: SP.spec_step(b, tcfg, sp, s))
+    cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state, bundle), repeats) / LOOP_ITERS
   costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
                      ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
                      cycles=cycle_s)
