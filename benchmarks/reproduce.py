@@ -258,6 +258,33 @@ def markdown(out_dir: str) -> str:
   return '\n'.join(lines)
 
 
+def sections_of(only: str) -> list[str]:
+  """--only's comma-separated section names, checked."""
+  names = [n for n in only.split(',') if n]
+  if not names or set(names) - set(SECTIONS):
+    raise ValueError(f'--only {only}: sections are {",".join(SECTIONS)}')
+  return names
+
+
+def kept_sections(path: str, only: list[str], settings: str, drafters: list[str]) -> dict:
+  """What a run of the sections `only` starts from. A subset of SECTIONS keeps the existing JSON
+  at `path` (the sections it reruns get overwritten) if that file was written with the same
+  settings and drafters; every section, or no file yet, starts empty. A file written with other settings or drafters is an error (mixing them
+  would put two runs' figures in one table); nothing is written in that case."""
+  results = {}
+  if os.path.exists(path) and set(only) != set(SECTIONS):
+    with open(path) as f:
+      results = json.load(f)
+    if results.get('settings') != settings:
+      raise SystemExit(f'{path} holds a run with other settings ({results.get("settings")}): '
+                       'rerun every section, or write elsewhere with --out')
+    if results.get('drafters', drafters) != drafters:  # files before the key: not recorded
+      raise SystemExit(f'{path} holds a run with drafters {results["drafters"]}, not '
+                       f'{drafters}: rerun every section, or write elsewhere with --out')
+  results.update(settings=settings, drafters=drafters)
+  return results
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default=os.path.join(ROOT, 'results'))
@@ -278,17 +305,11 @@ def main():
   settings = f'{n} prompts, {tokens} new tokens, batch 1, greedy unless stated'
   name = 'reproduce-quick.json' if args.quick else 'reproduce.json'
   path = os.path.join(args.out, name)
-  only = args.only.split(',')
-  if set(only) - set(SECTIONS):
-    parser.error(f'--only {args.only}: sections are {",".join(SECTIONS)}')
-  results = {}
-  if os.path.exists(path) and set(only) != set(SECTIONS):  # --only: the other sections stay
-    with open(path) as f:
-      results = json.load(f)
-    if results.get('settings') != settings:
-      raise SystemExit(f'{path} holds a run with other settings ({results.get("settings")}): '
-                       'rerun every section, or write elsewhere with --out')
-  results['settings'] = settings
+  try:
+    only = sections_of(args.only)
+  except ValueError as e:
+    parser.error(str(e))
+  results = kept_sections(path, only, settings, [args.drafter1, args.drafter2])
   dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
   if 'ladder' in only:
     results['ladder'] = ladder(dec, n, tokens)

@@ -45,3 +45,34 @@ def test_agreement_is_the_common_prefix_fraction():
   assert reproduce.common_prefix([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
   assert reproduce.common_prefix([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
   assert reproduce.common_prefix([5, 2], [1, 2]) == 0.0
+
+
+def test_only_keeps_the_other_sections_of_a_run_with_the_same_settings(tmp_path):
+  """--only reruns some sections on top of the existing JSON; it refuses one written with other
+  settings or drafters (one table would mix two runs) and leaves that file untouched."""
+  import json  # pylint: disable=import-outside-toplevel
+  import pytest  # pylint: disable=import-outside-toplevel
+  path = tmp_path / 'reproduce.json'
+  drafters = ['d1', 'd2']
+  earlier = {'settings': 'S', 'drafters': drafters, 'ladder': {'x': [1]}, 'pareto': {'p': 2}}
+  path.write_text(json.dumps(earlier))
+  kept = reproduce.kept_sections(str(path), ['pareto'], 'S', drafters)
+  assert kept['ladder'] == {'x': [1]} and kept['pareto'] == {'p': 2}  # pareto: overwritten next
+  # Every section reruns: nothing is kept.
+  assert reproduce.kept_sections(str(path), list(reproduce.SECTIONS), 'S', drafters) == {
+      'settings': 'S', 'drafters': drafters}
+  # No file yet: a fresh result.
+  assert reproduce.kept_sections(str(tmp_path / 'none.json'), ['ladder'], 'S', drafters) == {
+      'settings': 'S', 'drafters': drafters}
+  with pytest.raises(SystemExit, match='other settings'):
+    reproduce.kept_sections(str(path), ['pareto'], 'T', drafters)
+  with pytest.raises(SystemExit, match="drafters \\['d1', 'd2'\\], not \\['d1', 'other'\\]"):
+    reproduce.kept_sections(str(path), ['pareto'], 'S', ['d1', 'other'])
+  assert json.loads(path.read_text()) == earlier
+  # A file from before drafters were recorded is taken as it is.
+  path.write_text(json.dumps({'settings': 'S', 'ladder': {}}))
+  assert reproduce.kept_sections(str(path), ['pareto'], 'S', drafters)['drafters'] == drafters
+  assert reproduce.sections_of('pareto,ladder') == ['pareto', 'ladder']
+  for bad in ('paretto', '', 'ladder,,x'):
+    with pytest.raises(ValueError, match='sections are ladder'):
+      reproduce.sections_of(bad)
