@@ -1,43 +1,127 @@
-"""Weight layout for XLA:CPU's small matmuls: [out, in] (model.py's storage) against [in, out].
+"""The matmuls of one target step, at 1 row (an AR step) and at 8 / 16 rows (a verified tree),
+by weight layout: how cheap verification's matmuls alone can be on this machine, in AR steps.
 
-  python benchmarks/matmul_layout.py
+  python benchmarks/matmul_layout.py [--rows 8,16] [--repeats 11] [--quick]
 
-Times x[rows, in] times W for SmolLM2-135M's projection shapes at 1 row (an AR step) and at
-8 / 16 / 36 rows (verification trees), each layout jitted alone, mean of 200 calls. A lead for
-cheaper verification on a CPU (README, cost of a cycle): the layout that is fastest for one row
-is not the fastest for a tree.
+For each projection of the target (SmolLM2-135M's shapes, read from the shipped GGUF's config;
+--quick: a tiny config, a smoke test) there are n_layers distinct matrices (random values:
+speed does not depend on them), so a product reads its weights from memory as a real step
+does, not from a cache. A program multiplies them in sequence, each product feeding the next
+input (a scalar of it, through an optimization barrier: the product is computed in full and
+not fused into what reads it), 8 times in one `lax.fori_loop` (costmodel.LOOP_ITERS; weights
+and input are arguments, so nothing is folded at compile time). All programs run interleaved;
+each figure is the median of --repeats.
+
+Per projection it prints the ms of 1 row in [out, in] (model.py's storage, what an AR step
+reads), and of R rows in [in, out] (`model.with_row_layout`'s copies, what verification reads
+on a CPU) and in [out, in], each with its ratio to 1 row. The "all" line sums them (the LM head
+once, the rest per layer): m, the matmul part of verifying R nodes in AR steps' matmuls. If
+these products are a share s of an AR step (cycle_cost.py's ar_step gives it), and the rest of
+a verification costs at least the rest of an AR step (it attends with R times the queries),
+verification costs at least 1 + s·(m - 1) AR steps, whatever else changes.
 """
+from __future__ import annotations
+
+import argparse
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-SHAPES = ((576, 1536), (1536, 576), (576, 576))  # (in, out): MLP up/gate, MLP down, attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from d2sd_jax import costmodel  # pylint: disable=wrong-import-position
+from d2sd_jax import loaders  # pylint: disable=wrong-import-position
+from d2sd_jax import model as model_lib  # pylint: disable=wrong-import-position
 
 
-def mean_ms(fn, *args, n: int = 200) -> float:
-  fn(*args).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(n):
-    out = fn(*args)
-  out.block_until_ready()
-  return (time.perf_counter() - t) / n * 1e3
+def projections(cfg: model_lib.ModelConfig) -> dict[str, tuple[int, int, int]]:
+  """name -> (in, out, how many per step) of a target's matmuls."""
+  qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+  L = cfg.n_layers
+  return {'wqkv': (cfg.d_model, qkv_out, L), 'wo': (cfg.n_heads * cfg.head_dim, cfg.d_model, L),
+          'w_gate_up': (cfg.d_model, 2 * cfg.d_ff, L), 'w_down': (cfg.d_ff, cfg.d_model, L),
+          'lm_head': (cfg.d_model, cfg.vocab_size, 1)}
+
+
+def chain_program(n_in: int, layout: str):
+  """A jitted (x [R, in], weights) -> (x, acc): LOOP_ITERS passes over the weights in order."""
+  eq = 'ri,oi->ro' if layout == 'oi' else 'ri,io->ro'
+
+  def one_pass(i, carry, weights):
+    x, acc = carry
+    for w in weights:
+      y = jax.lax.optimization_barrier(jnp.einsum(eq, x, w, preferred_element_type=jnp.float32))
+      s = jnp.mean(y)
+      x, acc = x + 1e-9 * s, acc + s
+    return x, acc
+
+  return jax.jit(lambda x, weights: jax.lax.fori_loop(
+      0, costmodel.LOOP_ITERS, lambda i, c: one_pass(i, c, weights), (x, jnp.float32(0))))
+
+
+class Timed:
+  """One (projection, rows, layout) program, compiled and warmed up; run() -> ms per pass."""
+
+  def __init__(self, n_in, weights, rows, layout, rng):
+    self.fn = chain_program(n_in, layout)
+    self.x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
+    self.weights = weights
+    jax.block_until_ready(self.fn(self.x, weights))
+
+  def run(self) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(self.fn(self.x, self.weights))
+    return (time.perf_counter() - t) / costmodel.LOOP_ITERS * 1e3
 
 
 def main():
-  out_in = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
-  in_out = jax.jit(lambda x, w: x @ w)
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--rows', default='8,16', help='verified tree sizes to compare')
+  parser.add_argument('--repeats', type=int, default=11)
+  parser.add_argument('--quick', action='store_true', help='tiny shapes, 3 repeats: a smoke test')
+  args = parser.parse_args()
+  if args.quick:
+    cfg = model_lib.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                head_dim=16, d_ff=96)
+    args.repeats, what = 3, 'tiny config'
+  else:
+    cfg, what = loaders.load_target('smollm2').cfg, 'SmolLM2-135M shapes'
+  row_counts = [int(r) for r in args.rows.split(',')]
   rng = np.random.default_rng(0)
-  for rows in (1, 8, 16, 36):
-    cells = []
-    for i, o in SHAPES:
-      x = jnp.asarray(rng.standard_normal((rows, i)), jnp.float32)
-      w = rng.standard_normal((o, i)).astype(np.float32)
-      a = mean_ms(out_in, x, jnp.asarray(w))
-      b = mean_ms(in_out, x, jnp.asarray(w.T.copy()))
-      cells.append(f'{i}x{o}: [out,in] {a:.3f} ms, [in,out] {b:.3f} ms')
-    print(f'rows {rows:2d} | ' + ' | '.join(cells), flush=True)
+  timed = {}
+  for name, (n_in, n_out, count) in projections(cfg).items():
+    w_oi = [jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.float32) for _ in range(count)]
+    w_io = [w.T.copy() for w in w_oi]
+    timed[name, 1, 'oi'] = Timed(n_in, w_oi, 1, 'oi', rng)
+    for r in row_counts:
+      timed[name, r, 'io'] = Timed(n_in, w_io, r, 'io', rng)
+      timed[name, r, 'oi'] = Timed(n_in, w_oi, r, 'oi', rng)
+  times = {k: [] for k in timed}
+  for _ in range(args.repeats):
+    for k, t in timed.items():
+      times[k].append(t.run())
+  ms = {k: float(np.median(v)) for k, v in times.items()}
+  names = list(projections(cfg))
+  for r in row_counts:
+    for layout in ('oi', 'io'):
+      ms['all', r, layout] = sum(ms[n, r, layout] for n in names)
+  ms['all', 1, 'oi'] = sum(ms[n, 1, 'oi'] for n in names)
+  print(f'{what}, float32, {jax.devices()[0].device_kind}: ms per step (median of '
+        f'{args.repeats}), ratio to 1 row [out, in]')
+  header = f'{"projection":10s} {"1 row":>7s}'
+  for r in row_counts:
+    header += f' | {r:2d} rows [in, out]   {r:2d} rows [out, in]'
+  print(header)
+  for n in names + ['all']:
+    base = ms[n, 1, 'oi']
+    line = f'{n:10s} {base:7.2f}'
+    for r in row_counts:
+      line += (f' | {ms[n, r, "io"]:7.2f} ({ms[n, r, "io"] / base:4.2f}x)   '
+               f'{ms[n, r, "oi"]:7.2f} ({ms[n, r, "oi"] / base:4.2f}x)')
+    print(line, flush=True)
 
 
 if __name__ == '__main__':
