@@ -1,7 +1,7 @@
 """What each stage of a speculative cycle costs, as a ratio to one AR decode step of the same run.
 
   python benchmarks/cycle_cost.py [--repeats 15] [--prompt_tokens 400] [--batch 100]
-      [--json PATH] [--quick]
+      [--json PATH] [--quick] [--xla OPTION=VALUE ...]
 
 Batch 1, greedy, the SmolLM2 target and the shipped drafters after a real prefill (a HumanEval
 prompt, plain completion, cut to --prompt_tokens): verification of 8 and 16 nodes, drafting
@@ -56,6 +56,7 @@ GOALS = {
 
 
 LOOP = costmodel.LOOP_ITERS  # iterations of a stage per timed program (as costmodel.measure)
+COMPILER_OPTIONS: dict[str, str] = {}  # --xla: XLA options every timed program is compiled with
 
 
 class Stage:
@@ -72,7 +73,7 @@ class Stage:
     # `inputs` (everything else the stage reads) are arguments: closed-over arrays would be
     # compile-time constants, which XLA may fold (a stage computed at compile time).
     self.fn = jax.jit(lambda c, a: jax.lax.fori_loop(0, LOOP, lambda i, x: step(x, a), c),
-                      donate_argnums=(0,))
+                      donate_argnums=(0,), compiler_options=COMPILER_OPTIONS or None)
     self.inputs = inputs
     self.out = jax.block_until_ready(self.fn(carry, inputs))  # compiles, warms up
 
@@ -200,7 +201,15 @@ def main():
   parser.add_argument('--batch_context', type=int, default=64)
   parser.add_argument('--json', default='', help='also write the figures to this file')
   parser.add_argument('--quick', action='store_true', help='tiny target: a smoke test')
+  parser.add_argument('--xla', action='append', default=[], metavar='OPTION=VALUE',
+                      help='an XLA compiler option for every timed program (repeatable), e.g. '
+                      'xla_cpu_experimental_ynn_fusion_type= (matmuls without YNNPACK)')
   args = parser.parse_args()
+  for option in args.xla:
+    if '=' not in option:
+      parser.error(f'--xla {option}: give OPTION=VALUE (VALUE may be empty)')
+    key, value = option.split('=', 1)
+    COMPILER_OPTIONS[key] = value
   if args.quick:
     args.repeats, args.batch, args.prompt_tokens, args.new_tokens = 3, 8, 96, 16
     args.batch_context = 32
@@ -282,7 +291,8 @@ def main():
   print(f'{loaded}; batch-1 context {int(lens[0])} tokens, cache {cache_size}' +
         (f'; batch {B}: context <= {args.batch_context}, cache {cache_b}, '
          f'T={SAMPLED.temperature} top_k={SAMPLED.top_k}' if B else '') +
-        f'; medians of {R}, each figure run alternately with what it is divided by')
+        f'; medians of {R}, each figure run alternately with what it is divided by' +
+        (f'; XLA options {COMPILER_OPTIONS}' if COMPILER_OPTIONS else ''))
   print(f'{"figure":30s} {"ms":>9s} {"ratio":>7s}  {"to (ms, same pairing)":30s} {"goal":>6s}  met')
   for name in ('ar_step', 'verify_8', 'verify_16', 'draft_d2sd_k4', 'draft_dflash',
                'accept_pld_8', 'accept_commit_pld_8', 'accept_d2sd_16', 'accept_commit_d2sd_16',
@@ -304,6 +314,7 @@ def main():
   summary = {'summary': 'cycle_cost', 'loaded': loaded, 'batch': B, 'repeats': R,
              'context_tokens': int(lens[0]), 'cache_size': cache_size, 'batch_cache_size': cache_b,
              'sampled': {'temperature': SAMPLED.temperature, 'top_k': SAMPLED.top_k},
+             'xla_options': COMPILER_OPTIONS,
              'figures': figures}
   print(json.dumps(summary))
   if args.json:
