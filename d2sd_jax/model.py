@@ -281,25 +281,61 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
   - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
     attention among the new tokens alone through `jax.nn.dot_product_attention` (cuDNN's fused
     kernel on GPUs where it applies, XLA elsewhere) instead of scores against all S empty slots.
+
+  The general and block forms read only a window of the cache: the first W slots, W the
+  smallest of `context_windows(S)` (256, 512, 1024, ... slots and S) that holds every slot a
+  row may attend to, chosen at run time by `lax.switch`. Slots past W are masked for every row,
+  so they only cost work: their probabilities are exact zeros, and a cache sized for a long
+  generation (S = 2048 with 400 slots used) no longer costs every step the whole capacity.
   """
-  B, Hkv, T, hd = k_new_BxHkvxTxhd.shape
-  H = q_BxTxHxhd.shape[2]
-  Hg = H // Hkv
-  cdt = kv['k'].dtype
   if fresh:
     if tree_mask_BxTxT is not None or block_size:
       raise ValueError('fresh attention is causal: give neither tree_mask nor block_size')
+    B, T, H, hd = q_BxTxHxhd.shape
     out_BxTxHxhd = jax.nn.dot_product_attention(
-        q_BxTxHxhd.astype(cdt), k_new_BxHkvxTxhd.transpose(0, 2, 1, 3),
+        q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd.transpose(0, 2, 1, 3),
         v_new_BxHkvxTxhd.transpose(0, 2, 1, 3), is_causal=True)
     return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
-  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
   S = kv['k'].shape[2]
+  windows = context_windows(S)
+  attend = functools.partial(_attend_window, block_size=block_size)
+  args = (q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask_BxTxS, tree_mask_BxTxT)
+  if len(windows) == 1:
+    return attend(S, *args)
+  used = jnp.max(jnp.where(jnp.any(ctx_mask_BxTxS, axis=(0, 1)), jnp.arange(S) + 1, 0))
+  which = jnp.searchsorted(jnp.asarray(windows), used)  # the first window >= used
+  return jax.lax.switch(which, [functools.partial(attend, w) for w in windows], *args)
+
+
+MIN_WINDOW = 256  # the smallest context window attention compiles (see context_windows)
+
+
+def context_windows(S: int) -> tuple[int, ...]:
+  """The context lengths `attention` is compiled for over a cache of S slots: MIN_WINDOW,
+  doubling, below S, then S. Each is a branch of every layer's attention (compile time grows
+  with their number; the work of a step with the window it reads)."""
+  out, w = [], MIN_WINDOW
+  while w < S:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (S,)
+
+
+def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask_BxTxS,
+                   tree_mask_BxTxT, block_size: int | None = None):
+  """`attention`'s general and block forms over the first W cache slots (ctx_mask [B, T, S]
+  must allow none past them)."""
+  B, Hkv, T, hd = k_new_BxHkvxTxhd.shape
+  Hg = q_BxTxHxhd.shape[2] // Hkv
+  kv = {'k': kv['k'][:, :, :W], 'v': kv['v'][:, :, :W]}
+  ctx_mask_BxTxS = ctx_mask_BxTxS[..., :W]
+  S = W
+  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
   neg = jnp.finfo(jnp.float32).min
   # Query rows per KV head, ordered (Hg, T): the dots are contiguous per (row, head).
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
                   .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
-  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
   scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
   if block_size:
     G = block_size

@@ -160,6 +160,45 @@ def test_blockwise_attention_equals_the_dense_block_diagonal_mask(dtype):
   assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
 
 
+def test_context_windows():
+  assert M.MIN_WINDOW == 256
+  assert M.context_windows(640) == (256, 512, 640)
+  assert M.context_windows(2048) == (256, 512, 1024, 2048)
+  assert M.context_windows(256) == (256,) and M.context_windows(100) == (100,)
+
+
+@pytest.mark.parametrize('form', ['tree', 'blocks', 'per_token_context'])
+@pytest.mark.parametrize('ctx_lens', [(3, 2), (3, 6), (8, 2), (9, 1), (17, 4), (20, 20)])
+def test_attention_reads_the_smallest_window_holding_every_rows_context(monkeypatch, form,
+                                                                        ctx_lens):
+  """With windows (4, 8, 16, 20) over 20 slots, attention reads only the first W slots, W the
+  smallest window holding every row's context: NaN past W changes nothing (a NaN value read
+  under a zero probability would give NaN), and the result equals the whole cache's."""
+  monkeypatch.setattr(M, 'MIN_WINDOW', 4)
+  B, T, G, S = 2, 8, 4, 20
+  assert M.context_windows(S) == (4, 8, 16, 20)
+  q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(5), B=B, T=T, S=S)
+  lens = jnp.asarray(ctx_lens)
+  if form == 'per_token_context':  # [B, T, S]: token t sees one slot less than the row's context
+    ctx_mask = jnp.arange(S)[None, None, :] < (lens[:, None] - (jnp.arange(T) % 2))[..., None]
+  else:
+    ctx_mask = jnp.arange(S)[None, :] < lens[:, None]
+  tree = None if form == 'blocks' else M.causal_mask(B, T)
+  block = G if form == 'blocks' else None
+  W = min(w for w in (4, 8, 16, 20) if w >= max(ctx_lens))
+  poisoned = {n: x.at[:, :, W:].set(jnp.nan) for n, x in kv.items()}
+  got = jax.jit(M.attention, static_argnums=(6,))(q, k_new, v_new, poisoned, ctx_mask, tree,
+                                                   block)
+  whole = M._attend_window(S, q, k_new, v_new, kv,  # pylint: disable=protected-access
+                           ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None], tree, block)
+  np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
+  if W > 4:  # the next smaller window would drop context: the comparison can tell
+    smaller = max(w for w in (4, 8, 16, 20) if w < W)
+    cut = M._attend_window(smaller, q, k_new, v_new, kv,  # pylint: disable=protected-access
+                           ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None], tree, block)
+    assert np.abs(np.asarray(cut) - np.asarray(whole)).max() > 1e-3
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_fresh_attention_equals_causal_attention_over_an_empty_cache(dtype):
   """fresh=True (jax.nn.dot_product_attention, causal among the new tokens) = the general form

@@ -181,6 +181,28 @@ def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft)
     assert counts['branch_accepts'] > 0, counts
 
 
+@pytest.mark.parametrize('method', ['d2sd', 'd2sd_pld'])
+def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatch, method):
+  """Windows of 8, 16, 32, ... slots (model.context_windows; 256 and up by default), so the
+  cycles cross from one window into the next, in the target's verification and in the
+  drafters' context: still AR greedy's output (computed over the whole cache, before the
+  windows shrink), fresh caches after every cycle, drafts accepted on branches."""
+  cfg, params = tiny
+  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
+                         method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3)
+  reference = H.ar_outputs(cfg, params, PROMPTS, spec.generation)
+  monkeypatch.setattr(M, 'MIN_WINDOW', 8)
+  block, _ = G.pad_prompts(PROMPTS, 0, bucket=8)
+  windows = M.context_windows(SP.cache_size_needed(block.shape[1], spec))
+  window_of = lambda n: min(w for w in windows if w >= n)
+  # the longest row's context starts in one window and ends in a larger one
+  longest = max(len(p) for p in PROMPTS)
+  assert window_of(longest) < window_of(longest + 14) < windows[-1], windows
+  outs, counts = H.run_cycles(cfg, SP.prepare(trained, cfg, row_layout=True), spec, PROMPTS)
+  assert outs == reference
+  assert counts['branch_accepts'] > 0, counts
+
+
 def test_d2sd_tree_is_drafter2_at_the_top_r_cuts(tiny, trained):
   H.check_d2sd_tree_is_drafter2(tiny, trained)
 
