@@ -46,11 +46,11 @@ def projections(cfg: model_lib.ModelConfig) -> dict[str, tuple[int, int, int]]:
           'lm_head': (cfg.d_model, cfg.vocab_size, 1)}
 
 
-def chain_program(n_in: int, layout: str):
+def chain_program(layout: str):
   """A jitted (x [R, in], weights) -> (x, acc): LOOP_ITERS passes over the weights in order."""
   eq = 'ri,oi->ro' if layout == 'oi' else 'ri,io->ro'
 
-  def one_pass(i, carry, weights):
+  def one_pass(carry, weights):
     x, acc = carry
     for w in weights:
       y = jax.lax.optimization_barrier(jnp.einsum(eq, x, w, preferred_element_type=jnp.float32))
@@ -58,15 +58,15 @@ def chain_program(n_in: int, layout: str):
       x, acc = x + 1e-9 * s, acc + s
     return x, acc
 
-  return jax.jit(lambda x, weights: jax.lax.fori_loop(
-      0, costmodel.LOOP_ITERS, lambda i, c: one_pass(i, c, weights), (x, jnp.float32(0))))
+  program = costmodel.loop_program(one_pass)
+  return lambda x, weights: program((x, jnp.float32(0)), weights)
 
 
 class Timed:
   """One (projection, rows, layout) program, compiled and warmed up; run() -> ms per pass."""
 
   def __init__(self, n_in, weights, rows, layout, rng):
-    self.fn = chain_program(n_in, layout)
+    self.fn = chain_program(layout)
     self.x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
     self.weights = weights
     jax.block_until_ready(self.fn(self.x, weights))

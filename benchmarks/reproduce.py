@@ -269,8 +269,8 @@ def sections_of(only: str) -> list[str]:
 def kept_sections(path: str, only: list[str], settings: str, drafters: list[str]) -> dict:
   """What a run of the sections `only` starts from. A subset of SECTIONS keeps the existing JSON
   at `path` (the sections it reruns get overwritten) if that file was written with the same
-  settings and drafters; every section, or no file yet, starts empty. A file written with other settings or drafters is an error (mixing them
-  would put two runs' figures in one table); nothing is written in that case."""
+  settings and drafters; every section, or no file yet, starts empty. A file written with other
+  settings or drafters is an error (one table would mix two runs); nothing is written then."""
   results = {}
   if os.path.exists(path) and set(only) != set(SECTIONS):
     with open(path) as f:

@@ -138,10 +138,11 @@ def cycle_key(spec: SP.SpecSettings) -> str:
 LOOP_ITERS = 8  # iterations per timed loop program (its one copy of the state is amortised)
 
 
-def _loop(step):
+def loop_program(step):
   """jit((state, inputs) -> LOOP_ITERS applications of `step(state, inputs)` in one
-  lax.fori_loop). The weights come in as `inputs`, arguments: closed over, they would be
-  compile-time constants that XLA may fold (work done at compile time, not timed)."""
+  lax.fori_loop), the timed loops here and in benchmarks/matmul_layout.py. The weights come
+  in as `inputs`, arguments: closed over, they would be compile-time constants that XLA may
+  fold (work done at compile time, not timed)."""
   return jax.jit(lambda s, a: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x, a), s))
 
 
@@ -205,7 +206,7 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   params = SP.prepare(params, tcfg)  # as decoding.SpecRunner runs the speculative programs
   ar_state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(ar_params, tcfg, gen, block,
                                                           lens, keys, cache_size)
-  ar_loop = _loop(lambda s, p: G.decode_step(p, tcfg, gen, s))
+  ar_loop = loop_program(lambda s, p: G.decode_step(p, tcfg, gen, s))
   ar_step = _median_s(lambda: ar_loop(ar_state, ar_params), repeats) / LOOP_ITERS
 
   init = jax.jit(SP.init_state, static_argnums=(1, 2, 6))
@@ -227,7 +228,7 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
     bundle = {n: params[n] for n in ('target',) + spec.drafters}
     state = init(bundle, tcfg, spec, block, lens, keys, cache_size)
     draft_s[draft_key(spec)] = _median_s(lambda: draft(bundle, tcfg, spec, state), repeats)
-    loop = _loop(lambda s, b, sp=spec: SP.spec_step(b, tcfg, sp, s))
+    loop = loop_program(lambda s, b, sp=spec: SP.spec_step(b, tcfg, sp, s))
     cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state, bundle), repeats) / LOOP_ITERS
   costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
                      ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
