@@ -215,8 +215,8 @@ def main():
     args.batch_context = 32
 
   cfg, params, (d1cfg, d1), (d2cfg, d2), prompts, loaded = load(args.quick)
-  # As decoding.SpecRunner runs them (drafter heads gathered once; [in, out] copies on a CPU);
-  # the AR step reads the plain target, as decoding.ARRunner does.
+  # As decoding.SpecRunner runs them (drafter heads and key/value rows gathered once); the AR
+  # step reads the same target, as decoding.ARRunner does.
   bundle = SP.prepare({'target': params, 'drafter1': d1, 'drafter2': d2}, cfg)
   gamma, R = d1cfg.gamma, args.repeats
   ms, ref_ms = {}, {}  # figure -> its median; the median of its reference, run alternately

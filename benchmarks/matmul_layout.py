@@ -1,5 +1,5 @@
 """The matmuls of one target step, at 1 row (an AR step) and at 8 / 16 rows (a verified tree),
-by weight layout: how cheap verification's matmuls alone can be on this machine, in AR steps.
+by form: how cheap verification's matmuls alone can be on this machine, in AR steps.
 
   python benchmarks/matmul_layout.py [--rows 8,16] [--repeats 11] [--quick]
 
@@ -12,13 +12,17 @@ not fused into what reads it), 8 times in one `lax.fori_loop` (costmodel.LOOP_IT
 and input are arguments, so nothing is folded at compile time). All programs run interleaved;
 each figure is the median of --repeats.
 
-Per projection it prints the ms of 1 row in [out, in] (model.py's storage, what an AR step
-reads), and of R rows in [in, out] (`model.with_row_layout`'s copies, what verification reads
-on a CPU) and in [out, in], each with its ratio to 1 row. The "all" line sums them (the LM head
-once, the rest per layer): m, the matmul part of verifying R nodes in AR steps' matmuls. If
-these products are a share s of an AR step (cycle_cost.py's ar_step gives it), and the rest of
-a verification costs at least the rest of an AR step (it attends with R times the queries),
-verification costs at least 1 + s·(m - 1) AR steps, whatever else changes.
+Per projection it prints the ms of 1 row from [out, in] (model.py's storage: what an AR step
+reads), and of R rows in three forms, each with its ratio to 1 row:
+  rows [out, in]   x @ w.T from the stored matrices;
+  rows [in, out]   x @ w from transposed copies (what verification read before `linear`
+                   took columns: it cost a second copy of the weights);
+  columns          `model.linear` as it runs on a CPU: (w @ x.T).T, from the stored matrices.
+The "all" line sums them (the LM head once, the rest per layer): m, the matmul part of
+verifying R nodes in AR steps' matmuls. If these products are a share s of an AR step
+(cycle_cost.py's ar_step gives it), and the rest of a verification costs at least the rest of
+an AR step (it attends with R times the queries), verification costs at least 1 + s·(m - 1) AR
+steps, whatever else changes.
 """
 from __future__ import annotations
 
@@ -46,14 +50,25 @@ def projections(cfg: model_lib.ModelConfig) -> dict[str, tuple[int, int, int]]:
           'lm_head': (cfg.d_model, cfg.vocab_size, 1)}
 
 
-def chain_program(layout: str):
+FORMS = ('rows_oi', 'rows_io', 'columns')  # see the module docstring
+HEADINGS = {'rows_oi': 'rows [out, in]', 'rows_io': 'rows [in, out]', 'columns': 'columns'}
+
+
+def product(form: str, x_RxI, w):
+  if form == 'rows_io':
+    return jnp.einsum('ri,io->ro', x_RxI, w, preferred_element_type=jnp.float32)
+  if form == 'rows_oi':
+    return jnp.einsum('ri,oi->ro', x_RxI, w, preferred_element_type=jnp.float32)
+  return model_lib.linear(x_RxI[None], w)[0]  # columns on a CPU (one row: a matrix-vector)
+
+
+def chain_program(form: str):
   """A jitted (x [R, in], weights) -> (x, acc): LOOP_ITERS passes over the weights in order."""
-  eq = 'ri,oi->ro' if layout == 'oi' else 'ri,io->ro'
 
   def one_pass(carry, weights):
     x, acc = carry
     for w in weights:
-      y = jax.lax.optimization_barrier(jnp.einsum(eq, x, w, preferred_element_type=jnp.float32))
+      y = jax.lax.optimization_barrier(product(form, x, w))
       s = jnp.mean(y)
       x, acc = x + 1e-9 * s, acc + s
     return x, acc
@@ -63,10 +78,10 @@ def chain_program(layout: str):
 
 
 class Timed:
-  """One (projection, rows, layout) program, compiled and warmed up; run() -> ms per pass."""
+  """One (projection, rows, form) program, compiled and warmed up; run() -> ms per pass."""
 
-  def __init__(self, n_in, weights, rows, layout, rng):
-    self.fn = chain_program(layout)
+  def __init__(self, n_in, weights, rows, form, rng):
+    self.fn = chain_program(form)
     self.x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
     self.weights = weights
     jax.block_until_ready(self.fn(self.x, weights))
@@ -95,32 +110,29 @@ def main():
   for name, (n_in, n_out, count) in projections(cfg).items():
     w_oi = [jnp.asarray(rng.standard_normal((n_out, n_in)), jnp.float32) for _ in range(count)]
     w_io = [w.T.copy() for w in w_oi]
-    timed[name, 1, 'oi'] = Timed(n_in, w_oi, 1, 'oi', rng)
+    timed[name, 1, 'rows_oi'] = Timed(n_in, w_oi, 1, 'rows_oi', rng)
     for r in row_counts:
-      timed[name, r, 'io'] = Timed(n_in, w_io, r, 'io', rng)
-      timed[name, r, 'oi'] = Timed(n_in, w_oi, r, 'oi', rng)
+      for form in FORMS:
+        timed[name, r, form] = Timed(n_in, w_io if form == 'rows_io' else w_oi, r, form, rng)
   times = {k: [] for k in timed}
   for _ in range(args.repeats):
     for k, t in timed.items():
       times[k].append(t.run())
   ms = {k: float(np.median(v)) for k, v in times.items()}
   names = list(projections(cfg))
-  for r in row_counts:
-    for layout in ('oi', 'io'):
-      ms['all', r, layout] = sum(ms[n, r, layout] for n in names)
-  ms['all', 1, 'oi'] = sum(ms[n, 1, 'oi'] for n in names)
+  for r, form in [(1, 'rows_oi')] + [(r, f) for r in row_counts for f in FORMS]:
+    ms['all', r, form] = sum(ms[n, r, form] for n in names)
   print(f'{what}, float32, {jax.devices()[0].device_kind}: ms per step (median of '
         f'{args.repeats}), ratio to 1 row [out, in]')
   header = f'{"projection":10s} {"1 row":>7s}'
   for r in row_counts:
-    header += f' | {r:2d} rows [in, out]   {r:2d} rows [out, in]'
+    header += ' |' + ''.join(f' {r:2d} rows, {HEADINGS[f]:15s}' for f in FORMS)
   print(header)
   for n in names + ['all']:
-    base = ms[n, 1, 'oi']
+    base = ms[n, 1, 'rows_oi']
     line = f'{n:10s} {base:7.2f}'
     for r in row_counts:
-      line += (f' | {ms[n, r, "io"]:7.2f} ({ms[n, r, "io"] / base:4.2f}x)   '
-               f'{ms[n, r, "oi"]:7.2f} ({ms[n, r, "oi"] / base:4.2f}x)')
+      line += ' |' + ''.join(f' {ms[n, r, f]:15.2f} ({ms[n, r, f] / base:4.2f}x)' for f in FORMS)
     print(line, flush=True)
 
 

@@ -121,20 +121,18 @@ def split_fixed(dparams: dict) -> tuple[dict, dict]:
 
 def for_decoding(dparams: dict, tparams: dict, tcfg: model_lib.ModelConfig) -> dict:
   """Drafter parameters with what decoding derives from them computed once, not every pass:
-  the head's rows of the target's output matrix, gathered and stored [in, out] (`head_io`; the
-  gather alone was half of D2SD's drafting time on a CPU), and [in, out] copies of the
-  projections (`model.with_row_layout`; drafter passes always have several rows), of `fc` and of
-  the key and value rows of wqkv (`wkv_io`: the context needs no queries).
-  Training keeps the plain parameters (the head follows the target's weights). Idempotent."""
-  out = model_lib.with_row_layout(dparams)
-  if 'fc_io' not in out:
-    out['fc_io'] = dparams['fc'].T
+  the head's rows of the target's output matrix, gathered (`head_rows`, [n, D]; the gather
+  alone was half of D2SD's drafting time on a CPU), and each layer's key and value rows of
+  wqkv (`wkv`, [out, in]: the context needs no queries). Training keeps the plain parameters
+  (the head follows the target's weights). Idempotent."""
+  out = dict(dparams)
+  if 'wkv' not in dparams['layers'][0]:
     # wqkv is [Hkv, Hg + 2, hd, D]: the last two of axis 1 are each KV head's key and value.
-    out['layers'] = [dict(lp, wkv_io=lp['wqkv'][:, -2:].reshape(-1, lp['wqkv'].shape[-1]).T)
-                     for lp in out['layers']]
-  if 'head_ids' in dparams and 'head_io' not in dparams:
+    out['layers'] = [dict(lp, wkv=lp['wqkv'][:, -2:].reshape(-1, lp['wqkv'].shape[-1]))
+                     for lp in dparams['layers']]
+  if 'head_ids' in dparams and 'head_rows' not in dparams:
     head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
-    out['head_io'] = head_VxD[dparams['head_ids']].T
+    out['head_rows'] = head_VxD[dparams['head_ids']]
   return out
 
 
@@ -156,7 +154,7 @@ def context_kv(dparams, dcfg: DrafterConfig, features_BxNxF, positions_BxN):
   """Per-layer keys/values [B, KVH, N, hd] of context tokens from their target features."""
   lcfg = dcfg.layer_config(1)
   h_BxNxW = model_lib.rms_norm(
-      model_lib.linear(features_BxNxF.astype(jnp.float32), dparams['fc'], dparams.get('fc_io')),
+      model_lib.linear(features_BxNxF.astype(jnp.float32), dparams['fc']),
       dparams['fc_norm'], dcfg.norm_eps)
   out = []
   for lp in dparams['layers']:
@@ -208,8 +206,8 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])
   if 'head_ids' not in dparams:
     return model_lib.logits(tparams, tcfg, h)
-  if 'head_io' in dparams:  # `for_decoding`: the head's rows gathered once, [in, out]
-    sub = jnp.einsum('bqd,dn->bqn', h, dparams['head_io'], preferred_element_type=jnp.float32)
+  if 'head_rows' in dparams:  # `for_decoding`: the head's rows gathered once
+    sub = model_lib.linear(h, dparams['head_rows'])
   else:
     head_VxD = tparams['embed'] if tcfg.tie_embeddings else tparams['lm_head']
     sub = jnp.einsum('bqd,nd->bqn', h, head_VxD[dparams['head_ids']]).astype(jnp.float32)

@@ -20,9 +20,10 @@ Parameter layout (`layers` is a list with one dict per layer):
 Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = H / Hkv query
 heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
 Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products (one
-row, an AR step) stream them faster than [in, out]; for 8-36 rows (a verified tree) [in, out] is
-the faster one (benchmarks/matmul_layout.py), so on a CPU decoders add [in, out] copies
-(`with_row_layout`, through speculative.prepare) that several-row inputs read.
+row, an AR step) stream them faster than [in, out]. On a CPU, inputs of a few rows (2-64: a
+verified tree, the drafters' blocks, a small batch's AR step) are multiplied as columns,
+(w @ x.T).T (`linear`): 1.5-1.9x faster there than x @ w.T from either layout
+(benchmarks/matmul_layout.py), from the same weights.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 
@@ -171,42 +172,38 @@ def causal_mask(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
 
 
-def linear(x_BxTxI, w_OxI, w_IxO=None):
-  """x @ w.T, float32 out (see Precision in the module docstring). With w_IxO, the same matrix
-  stored [in, out] (`with_row_layout`), inputs of more than one row are multiplied by that: the
-  faster layout for several rows on XLA:CPU; one row keeps [out, in]."""
-  B, T, _ = x_BxTxI.shape
-  if w_IxO is not None and B * T > 1:
-    return jnp.einsum('bti,io->bto', x_BxTxI, w_IxO, preferred_element_type=jnp.float32)
+COLUMN_ROWS = (2, 64)  # on a CPU, products with this many input rows are taken as columns
+
+
+def columns_for(rows: int) -> bool:
+  """Whether `linear` multiplies an input of `rows` rows as columns: on a CPU, within
+  COLUMN_ROWS."""
+  return jax.default_backend() == 'cpu' and COLUMN_ROWS[0] <= rows <= COLUMN_ROWS[1]
+
+
+def linear(x_BxTxI, w_OxI):
+  """x @ w.T, float32 out (see Precision in the module docstring).
+
+  With a few rows on a CPU (`columns_for`) the product is taken as columns, w @ x.T, and
+  materialised before it is transposed back: XLA:CPU then streams w once through a kernel for a
+  tall matrix times a thin one, 1.5-1.9x faster at 4-32 rows than the row form x @ w.T from
+  either weight layout, and level with it at 64 rows and more (benchmarks/matmul_layout.py).
+  Without the optimization barrier XLA folds the transpose into the product's output layout,
+  which is the row form again. One row (an AR step) stays a matrix-vector product. Both forms
+  give the same values up to float32 summation order."""
+  B, T, I = x_BxTxI.shape
+  if columns_for(B * T):
+    y_OxN = jax.lax.optimization_barrier(
+        jnp.einsum('ni,oi->on', x_BxTxI.reshape(B * T, I), w_OxI,
+                   preferred_element_type=jnp.float32))
+    return y_OxN.T.reshape(B, T, -1)
   return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
-
-
-ROW_LAYOUT = ('wqkv', 'wo', 'w_gate_up', 'w_down')  # the projections `with_row_layout` copies
 
 
 def as_matrix(lp, name: str):
   """A layer's projection as the 2-D [out, in] matrix the matmul reads (a free reshape)."""
   w = lp[name]
   return w.reshape(-1, w.shape[-1])
-
-
-def with_row_layout(params: Params) -> Params:
-  """params plus an [in, out] copy of every projection (`<name>_io`) and of the LM head
-  (`head_io`), which `linear` and `logits` use for inputs of several rows: a verified tree,
-  the drafters' blocks, a prefill. One-row inputs (AR steps) keep the [out, in] originals, their
-  faster layout. Measured on XLA:CPU by benchmarks/matmul_layout.py and benchmarks/cycle_cost.py;
-  it costs a second copy of the weights, so it is for CPUs (accelerators choose layouts
-  themselves). The copies are exact: outputs differ from the originals' only by float32
-  summation order. Idempotent."""
-  if not params.get('layers') or 'wqkv_io' in params['layers'][0]:
-    return params
-  layers = [dict(lp, **{f'{n}_io': as_matrix(lp, n).T for n in ROW_LAYOUT if n in lp})
-            for lp in params['layers']]
-  out = dict(params, layers=layers)
-  if 'embed' in params:  # a target (drafters have no head of their own)
-    head_VxD = params['lm_head'] if 'lm_head' in params else params['embed']
-    out['head_io'] = head_VxD.T
-  return out
 
 
 UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
@@ -238,13 +235,13 @@ def read_rows(cache_BxHkvxSxhd, start_B, length: int):
 
 def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT, keys_values_only=False):
   """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs.
-  keys_values_only: (None, keys, values), projected through `wkv_io` (the key and value rows of
-  wqkv, [in, out]) where the layer has it (drafter.for_decoding: the drafters' context)."""
+  keys_values_only: (None, keys, values), projected through `wkv` (the key and value rows of
+  wqkv, gathered [out, in]) where the layer has it (drafter.for_decoding: the drafters'
+  context)."""
   B, T, _ = h_BxTxD.shape
   Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
-  if keys_values_only and 'wkv_io' in lp:
-    kv = jnp.einsum('bti,io->bto', h_BxTxD, lp['wkv_io'],
-                    preferred_element_type=jnp.float32).reshape(B, T, Hkv, 2, hd)
+  if keys_values_only and 'wkv' in lp:
+    kv = linear(h_BxTxD, lp['wkv']).reshape(B, T, Hkv, 2, hd)
     if cfg.qkv_bias:
       kv = kv + lp['bqkv'][:, Hg:]
     k_BxTxHkvxhd = kv[:, :, :, 0]
@@ -254,7 +251,7 @@ def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT, keys_values_onl
                       cfg.rope_freq_factors), kv[:, :, :, 1]
   # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
   # transpose it every step.
-  qkv = linear(h_BxTxD, as_matrix(lp, 'wqkv'), lp.get('wqkv_io')).reshape(B, T, Hkv, Hg + 2, hd)
+  qkv = linear(h_BxTxD, as_matrix(lp, 'wqkv')).reshape(B, T, Hkv, Hg + 2, hd)
   if cfg.qkv_bias:
     qkv = qkv + lp['bqkv']
   q_BxTxHkvxHgxhd = qkv[:, :, :, :Hg]
@@ -400,13 +397,12 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
     after_reads_Bx1xTxhd = 0.0 * attn_BxTxE[:, None, :, :hd].astype(cdt)
     new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B),
               'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B)}
-  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'], lp.get('wo_io'))
+  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
-  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up'),
-                            lp.get('w_gate_up_io')).reshape(B, T, 2, -1)
+  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up')).reshape(B, T, 2, -1)
   act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
-  x_BxTxD = x_BxTxD + linear(act, lp['w_down'], lp.get('w_down_io'))
+  x_BxTxD = x_BxTxD + linear(act, lp['w_down'])
   return x_BxTxD, new_kv
 
 
@@ -454,7 +450,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
 def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
   """Float32 logits from final hidden states (tied or separate LM head)."""
   head_VxD = params['embed'] if cfg.tie_embeddings else params['lm_head']
-  return linear(hidden_BxTxD, head_VxD, params.get('head_io'))
+  return linear(hidden_BxTxD, head_VxD)
 
 
 def param_bytes(params: Params) -> int:

@@ -182,28 +182,12 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    steps=jnp.zeros((), jnp.int32), draft_caches=caches)
 
 
-_ROW_LAYOUT_MEMO: list = []  # [(target params, their row-layout copy)]: one per target
-
-
-def prepare(params, cfg: model_lib.ModelConfig, row_layout: bool | None = None) -> dict:
+def prepare(params, cfg: model_lib.ModelConfig) -> dict:
   """The bundle as the decode programs want it, with what they derive from the weights
-  computed once rather than in every cycle: each drafter's head rows and [in, out] copies
-  (`drafter.for_decoding`), and, with `row_layout` (default: on a CPU), the target's [in, out]
-  copies for several-row inputs (`model.with_row_layout`: verification is 8-36 rows; the AR
-  step keeps [out, in]). The target's copy is made once per target and shared by every
-  decoder built on it. Outputs differ from the plain bundle's only by float32 summation
+  computed once rather than in every cycle: each drafter's head rows and key/value rows
+  (`drafter.for_decoding`). Outputs differ from the plain bundle's only by float32 summation
   order; `spec_loop` accepts either."""
-  if row_layout is None:
-    row_layout = jax.default_backend() == 'cpu'
   out = dict(params)
-  if row_layout:
-    target = params['target']
-    hit = [copy for orig, copy in _ROW_LAYOUT_MEMO if orig is target]
-    if hit:
-      out['target'] = hit[0]
-    else:
-      out['target'] = model_lib.with_row_layout(target)
-      _ROW_LAYOUT_MEMO[:] = _ROW_LAYOUT_MEMO[-1:] + [(target, out['target'])]  # at most 2
   for name in ('drafter1', 'drafter2'):
     if name in params:
       out[name] = drafter_lib.for_decoding(params[name], params['target'], cfg)

@@ -233,9 +233,9 @@ def test_random_reveal_shows_only_positions_after_the_prefix(setup):
 
 @pytest.mark.parametrize('tied', [True, False])
 def test_decoding_params_give_the_plain_params_logits(tiny, tied):
-  """drafter.for_decoding (the head's rows gathered once and stored [in, out], [in, out] copies
-  of the layers and of fc) changes only the summation order: same context K/V, same logits,
-  for a full head and a subset head, from a tied or untied target."""
+  """drafter.for_decoding (the head's rows and the key/value rows of wqkv gathered once)
+  changes only the summation order: same context K/V, same logits, for a full head and a
+  subset head, from a tied or untied target."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   tcfg = dataclasses.replace(tiny[0], tie_embeddings=tied)
   tparams = M.init_params(tcfg, jax.random.PRNGKey(4), scale=1.2)
@@ -249,7 +249,7 @@ def test_decoding_params_give_the_plain_params_logits(tiny, tied):
   for plain in (dparams, {**dparams, 'head_ids': ids}):
     fast = D.for_decoding(plain, tparams, tcfg)
     assert D.for_decoding(fast, tparams, tcfg).keys() == fast.keys()
-    assert ('head_io' in fast) == ('head_ids' in plain)
+    assert ('head_rows' in fast) == ('head_ids' in plain)
     B, G = seq.shape[0], DCFG.gamma
     block, is_mask = seq[:, 6:6 + G], jnp.broadcast_to(jnp.arange(G) > 0, (B, G))
     got = [decode_time_logits((tcfg, tparams, p, seq, feats), 6, block, is_mask)

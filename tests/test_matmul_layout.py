@@ -29,6 +29,19 @@ def test_projections_are_the_models_matrices():
   assert matmul_layout.projections(cfg) == want
 
 
+def test_every_form_computes_x_times_w_transposed():
+  """rows from [out, in], rows from the [in, out] copy and model.linear's columns (8 rows, so
+  linear takes columns here) give x @ w.T."""
+  assert M.columns_for(8)
+  rng = np.random.default_rng(0)
+  x, w = rng.standard_normal((8, 24)).astype(np.float32), rng.standard_normal((40, 24))
+  w = w.astype(np.float32)
+  want = x.astype(np.float64) @ w.T.astype(np.float64)
+  for form in matmul_layout.FORMS:
+    got = matmul_layout.product(form, x, w.T.copy() if form == 'rows_io' else w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=form)
+
+
 def test_quick_run_prints_every_projection():
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'matmul_layout.py'),
                          '--quick', '--rows', '8'], capture_output=True, text=True, cwd=ROOT,
@@ -37,4 +50,4 @@ def test_quick_run_prints_every_projection():
   rows = {line.split()[0]: line for line in proc.stdout.splitlines()[2:]}
   assert list(rows) == ['wqkv', 'wo', 'w_gate_up', 'w_down', 'lm_head', 'all']
   ratios = [float(x.strip('(x)')) for x in rows['all'].split() if x.startswith('(')]
-  assert len(ratios) == 2 and np.all(np.asarray(ratios) > 0)
+  assert len(ratios) == len(matmul_layout.FORMS) and np.all(np.asarray(ratios) > 0)

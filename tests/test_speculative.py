@@ -165,13 +165,13 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
 def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
   D2SD also on drafter 2's branches). The bundle is prepared as decoding.SpecRunner prepares it
-  (drafter heads gathered once, [in, out] copies); the other tests use the plain one."""
+  (drafter heads and key/value rows gathered once); the other tests use the plain one."""
   cfg, params = tiny
   spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
                          steps=steps, tree_budget=budget, redraft=redraft)
-  bundle = SP.prepare(trained, cfg, row_layout=True)
-  assert 'head_io' in bundle['target'] and 'fc_io' in bundle['drafter1']
+  bundle = SP.prepare(trained, cfg)
+  assert 'wkv' in bundle['drafter1']['layers'][0] and 'wkv' not in trained['drafter1']['layers'][0]
   outs, counts = H.run_cycles(cfg, bundle, spec, PROMPTS)
   assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)
   full = {'dflash': 5, 'd2sd_pld': 5 + 12 + 4}.get(method, 5 + 12)  # chain + 3 branches (+ pld)
@@ -198,7 +198,7 @@ def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatc
   # the longest row's context starts in one window and ends in a larger one
   longest = max(len(p) for p in PROMPTS)
   assert window_of(longest) < window_of(longest + 14) < windows[-1], windows
-  outs, counts = H.run_cycles(cfg, SP.prepare(trained, cfg, row_layout=True), spec, PROMPTS)
+  outs, counts = H.run_cycles(cfg, SP.prepare(trained, cfg), spec, PROMPTS)
   assert outs == reference
   assert counts['branch_accepts'] > 0, counts
 
