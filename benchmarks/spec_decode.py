@@ -111,7 +111,8 @@ def main():
              'accepted_histogram': stats.get('accepted_histogram'),
              'prefill_s': stats['prefill_s']}
       # method=auto: its choice, prediction and every candidate's figures
-      for k in ('auto_choice', 'predicted_tokens_per_s', 'auto_candidates'):
+      for k in ('auto_choice', 'predicted_tokens_per_s', 'auto_source', 'auto_s',
+                'auto_candidates'):
         if k in stats:
           row[k] = stats[k]
       print(json.dumps(row), flush=True)

@@ -62,6 +62,7 @@ class Decoder:
                top_p: float = _DEFAULTS.top_p, seed: int = _DEFAULTS.seed,
                batch_size: int = _DEFAULTS.batch_size, cache_len: int = _DEFAULTS.cache_len,
                stage_times: bool = _DEFAULTS.stage_times,
+               auto_refresh: bool = _DEFAULTS.auto_refresh,
                chat_template_kwargs: dict | None = None, **spec) -> Generation:
     """Completes each prompt through decode.py's path (`decoding.generate`, same defaults).
 
@@ -75,7 +76,7 @@ class Decoder:
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
         chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-        cache_len=cache_len, spec=spec, stage_times=stage_times)
+        cache_len=cache_len, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh)
     completions, stats = decoding.generate(self.target, self.drafters, prompts, options,
                                            self._runners)
     return Generation(texts=[c['completion'] for c in completions],

@@ -1,30 +1,54 @@
 """method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
 
-For each candidate (AR; prompt lookup; and, with the drafters at hand, drafter 1 alone and D²SD
-with K = 1, 2, 4), the prediction is throughput.tokens_per_s(E[τ], t_cycle):
+For each candidate (AR; prompt lookup; and, with the drafters at hand, drafter 1 alone, D²SD
+with K = 1, 2, 4 and the hybrid d2sd_pld with K = 1, 4), the prediction is
+throughput.tokens_per_s(E[τ], t_cycle):
   E[τ]    from a probe: the candidate decodes the request's first PROBE_PROMPTS prompts for
           PROBE_TOKENS tokens each and their pooled acceptance histogram gives E[τ]
           (throughput.tau_from_histogram). Acceptance depends on the prompts (prompt lookup
           thrives where the answer repeats the prompt), so it is measured on the request itself
-          rather than stored, and at the request's own length: prompt lookup also copies the
+          rather than assumed, and at the request's own length: prompt lookup also copies the
           text it generated, so its τ grows along a completion (48-token probes of 4 HumanEval
           prompts gave it τ 1.77 against 2.26 over 20 prompts of 128 tokens, and auto chose AR
           over a prompt lookup 1.25x faster).
   t_cycle the probe's own cycle time (its decode time over its cycles: the real programs on
           the real contexts), timed on the probe prompts after the first, which warms the
           programs up (a first run pays one-off costs), when they ran at least
-          MIN_PROBE_CYCLES cycles; otherwise the cost model
-          measured on this machine (costmodel.measure, whole cycles timed inside a loop on a
-          synthetic context; cached on disk, so only the first run on a machine pays for it).
-          Both are reported: the cost model's cycles missed the real ones by up to 25 % on
-          HumanEval (README), enough to swap AR and prompt lookup.
+          MIN_PROBE_CYCLES cycles; otherwise the cost model measured on this machine
+          (costmodel.measure, whole cycles timed inside a loop on a synthetic context; cached
+          on disk), for those candidates only: it costs minutes on a large target, and its
+          cycles missed the real ones by up to 25 % on HumanEval (README), enough to swap AR
+          and prompt lookup.
 The stats report the choice (`auto_choice`), its prediction (`predicted_tokens_per_s`) and every
 candidate's figures (`auto_candidates`); the decode's own `decode_tokens_per_s` is measured as for
 any method.
+
+The choice is remembered: probing compiles one program per candidate (about a minute and a half
+for SmolLM2 on a 2-core CPU), so the result is written to a JSON file under
+~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE overrides), keyed by everything the ranking depends on
+but the prompts' text: the device kind and count, the JAX version, the target's fingerprint and
+dtype, each drafter's config and a digest of its weights, the batch, the sampling settings, the
+speculative knobs the request fixes, chat or not, and the context window the request needs
+(prompt + max_new_tokens: cycle costs depend on it). A later request with the same key decodes with the remembered configuration at
+once (`auto_source: 'remembered'`, `auto_file`; `auto_s`: the seconds choosing took);
+`auto_refresh=True` probes again and replaces it.
+Acceptance also depends on the prompts (prompt lookup thrives where answers repeat the prompt),
+and a little on the length (prompt lookup's τ grows along a completion), which the key leaves
+out on purpose (a choice per prompt would never be reused): the file records what it was
+probed on (`probed_on`), and a request of another kind should refresh it. An
+unreadable or stale file (a candidate this version no longer weighs) is probed again, never
+trusted.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import time
+
+import jax
+import numpy as np
 
 from d2sd_jax import costmodel
 from d2sd_jax import speculative as SP
@@ -45,12 +69,43 @@ def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
       for K in (1, 2, 4):
         if K <= gamma - 1:
           out.append((f'd2sd(K={K})', 'd2sd', {'gamma': gamma, 'n_branches': K}))
+      # the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
+      for K in (1, 4):
+        if K <= gamma - 1:
+          out.append((f'd2sd_pld(K={K})', 'd2sd_pld', {'gamma': gamma, 'n_branches': K}))
   return out
 
 
 def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
            log=print):
-  """(the Options to decode with, auto stats) for an Options whose method is 'auto'."""
+  """(the Options to decode with, auto stats) for an Options whose method is 'auto': the
+  remembered choice for this key when there is one (and no auto_refresh), else a fresh probe of
+  every candidate, which is then remembered."""
+  started = time.perf_counter()
+  longest = max(len(p) for p in prompt_ids)
+  path = os.path.join(choice_dir(), remembered_key(target, drafters, options, batch, longest)
+                      + '.json')
+  record = None if options.auto_refresh else _read_remembered(path, drafters, log)
+  source = 'remembered'
+  if record is None:
+    log(f'auto: probing {len(candidates(drafters))} configurations on this machine (once per '
+        f'key; remembered in {path})')
+    record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
+    _write_json(path, record)
+  best = record['auto_candidates'][record['auto_choice']]
+  chosen = dataclasses.replace(options, method=best['method'],
+                               spec={**options.spec, **best['spec']})
+  return chosen, {'auto_choice': record['auto_choice'],
+                  'predicted_tokens_per_s': record['predicted_tokens_per_s'],
+                  'auto_candidates': record['auto_candidates'],
+                  'cost_device': record['cost_device'], 'auto_source': source, 'auto_file': path,
+                  'auto_s': round(time.perf_counter() - started, 2)}
+
+
+def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
+          log=print) -> dict:
+  """Every candidate's predicted tokens/s from its probe (module docstring): the record
+  `choose` remembers."""
   from d2sd_jax import decoding  # pylint: disable=import-outside-toplevel (decoding imports us)
   settings = decoding.generation_settings(options, tok.eos_ids, tok.pad_id)
   longest = max(len(p) for p in prompt_ids)
@@ -58,39 +113,128 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
   params = {'target': target.params, **{n: p for n, (_, p) in drafters.items()}}
   probe_settings = dataclasses.replace(settings,
                                        max_new_tokens=min(PROBE_TOKENS, options.max_new_tokens))
+  fixed = {k: v for k, v in options.spec.items() if v is not None}  # the request's own knobs
   specs, cands = {}, candidates(drafters)
   for label, method, knobs in cands:
     if method != 'ar':
       cfgs = {n: drafters[n][0] for n in decoding.drafters_needed(method)}
-      specs[label] = SP.SpecSettings(settings, method=method, **knobs, **cfgs)
-  context = decoding._round_up(longest, decoding.PROMPT_BUCKET)  # pylint: disable=protected-access
-  sizes = sorted({2} | {spec.tree_size for spec in specs.values()})  # only what is weighed
-  costs = costmodel.measure(params, target.cfg, list(specs.values()), batch=batch,
-                            context=context, sizes=sizes, repeats=5, log=log)
-  table = {}
+      specs[label] = SP.SpecSettings(settings, method=method, **{**fixed, **knobs}, **cfgs)
+  probed = {}
   probe_ids = prompt_ids[:PROBE_PROMPTS]
   for label, method, knobs in cands:
     runner = decoding.make_runner(target, probe_settings, method, max(map(len, probe_ids)),
-                                  limit, drafters, **knobs)
+                                  limit, drafters, **({} if method == 'ar' else {**fixed, **knobs}))
     # The first prompt warms the programs up (a first run pays one-off costs): it counts for
     # E[τ], and the cycle time comes from the others.
     _, warm = decoding.decode_prompts(runner, tok, probe_ids[:1], 1, options.seed)
     _, st = decoding.decode_prompts(runner, tok, probe_ids[1:] or probe_ids, 1, options.seed)
-    model_s = costs.ar_step if method == 'ar' else costs.cycle(specs[label])
-    probe_s = st['decode_s'] / st['decode_steps'] if st['decode_steps'] else None
     hist = None if method == 'ar' or warm['hist'] is None else (
         warm['hist'] + st['hist'] if len(probe_ids) > 1 else st['hist'])
+    probed[label] = (hist, st['decode_s'], st['decode_steps'])
+  # The cost model only for probes too short to time (it costs minutes on a big target).
+  short = [label for label, (_, _, steps) in probed.items() if steps < MIN_PROBE_CYCLES]
+  costs = None
+  if short:
+    context = decoding._round_up(longest, decoding.PROMPT_BUCKET)  # pylint: disable=protected-access
+    weighed = [specs[label] for label in short if label in specs]
+    sizes = sorted({2} | {spec.tree_size for spec in weighed})
+    costs = costmodel.measure(params, target.cfg, weighed, batch=batch, context=context,
+                              sizes=sizes, repeats=5, log=log)
+  table = {}
+  for label, method, knobs in cands:
+    hist, decode_s, steps = probed[label]
     tau = 1.0 if hist is None or not hist.sum() else throughput.tau_from_histogram(hist)
-    cycle_s = probe_s if st['decode_steps'] >= MIN_PROBE_CYCLES else model_s
+    probe_s = decode_s / steps if steps else None
+    model_s = None if label not in short else (
+        costs.ar_step if method == 'ar' else costs.cycle(specs[label]))
+    cycle_s = model_s if label in short else probe_s
     table[label] = {'method': method, 'spec': knobs, 'tau': round(tau, 3),
-                    'cycle_ms': round(1e3 * cycle_s, 6), 'model_cycle_ms': round(1e3 * model_s, 6),
+                    'cycle_ms': round(1e3 * cycle_s, 6),
+                    'model_cycle_ms': None if model_s is None else round(1e3 * model_s, 6),
                     'probe_cycle_ms': None if probe_s is None else round(1e3 * probe_s, 6),
-                    'probe_cycles': st['decode_steps'],
+                    'probe_cycles': steps,
                     'predicted_tokens_per_s': round(throughput.tokens_per_s(tau, cycle_s, batch),
                                                     2)}
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
-  chosen = dataclasses.replace(options, method=table[best]['method'],
-                               spec={**options.spec, **table[best]['spec']})
-  return chosen, {'auto_choice': best,
-                  'predicted_tokens_per_s': table[best]['predicted_tokens_per_s'],
-                  'auto_candidates': table, 'cost_device': costs.device}
+  digest = hashlib.sha256(json.dumps(probe_ids).encode()).hexdigest()[:16]
+  return {'version': RECORD_VERSION, 'auto_choice': best,
+          'predicted_tokens_per_s': table[best]['predicted_tokens_per_s'],
+          'auto_candidates': table,
+          'cost_device': costs.device if costs else jax.devices()[0].device_kind,
+          'probed_on': {'prompts': len(probe_ids), 'prompt_ids_sha256': digest,
+                        'max_new_tokens': probe_settings.max_new_tokens},
+          'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+
+
+# ----------------------------------------------------------------------------------------------
+# The remembered choice
+
+RECORD_VERSION = 1  # a record written under another version is probed again
+
+
+def choice_dir() -> str:
+  return os.environ.get('D2SD_AUTO_CACHE',
+                        os.path.join(os.path.expanduser('~'), '.cache', 'd2sd_jax', 'auto'))
+
+
+def params_digest(params) -> str:
+  """A digest of a parameter tree that tells trained drafters apart: every leaf's path, shape,
+  dtype and first 256 values (float32), so a few ms even for a large drafter."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    h.update(f'{jax.tree_util.keystr(path)}{tuple(leaf.shape)}{leaf.dtype}'.encode())
+    h.update(np.asarray(jax.device_get(leaf.reshape(-1)[:256]), np.float32).tobytes())
+  return h.hexdigest()[:16]
+
+
+def context_window(tokens: int) -> int:
+  """The power of two >= 256 that holds `tokens` (costs depend on the context's window)."""
+  return max(256, 1 << max(0, tokens - 1).bit_length())
+
+
+def remembered_key(target, drafters: dict, options, batch: int, longest: int) -> str:
+  """The key of the remembered choice (module docstring: what it holds and leaves out)."""
+  from d2sd_jax import checkpoints  # pylint: disable=import-outside-toplevel (heavy: orbax)
+  dev = jax.devices()[0]
+  blob = {
+      'device': [dev.platform, dev.device_kind, len(jax.devices())], 'jax': jax.__version__,
+      'target': checkpoints.target_fingerprint(target),
+      'dtype': str(target.params['embed'].dtype),
+      'drafters': {n: [repr(cfg), params_digest(p)] for n, (cfg, p) in sorted(drafters.items())},
+      'batch': batch, 'sampling': [options.temperature, options.top_k, options.top_p],
+      'spec': sorted((k, v) for k, v in options.spec.items() if v is not None),
+      'chat': options.chat, 'chat_template_kwargs': options.chat_template_kwargs,
+      'context': context_window(longest + options.max_new_tokens), 'version': RECORD_VERSION}
+  return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _read_remembered(path: str, drafters: dict, log) -> dict | None:
+  """The record at `path` if it is whole and names a configuration still weighed, else None
+  (with a line saying why, when a file was there)."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      record = json.load(f)
+    weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters)}
+    table = record['auto_candidates']
+    row = table[record['auto_choice']]
+    stale = (record.get('version') != RECORD_VERSION or set(table) != set(weighed) or
+             (row['method'], row['spec']) != weighed[record['auto_choice']])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    log(f'auto: the remembered choice {path} is unreadable ({type(e).__name__}: {e}); probing '
+        'again')
+    return None
+  if stale:
+    log(f'auto: the remembered choice {path} weighed other configurations; probing again')
+    return None
+  return record
+
+
+def _write_json(path: str, record: dict) -> None:
+  """Written whole or not at all (a reader never sees half a file)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f'{path}.{os.getpid()}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(record, f, indent=1)
+  os.replace(tmp, path)

@@ -38,7 +38,8 @@ DECODE_FIELDS = {
     'spec': set(SPEC_KNOBS), 'prompt': None, 'prompts_file': None, 'chat': None,
     'chat_template_kwargs': None,
     'max_new_tokens': None, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None,
-    'batch_size': None, 'cache_len': None, 'stage_times': None, 'output': None,
+    'batch_size': None, 'cache_len': None, 'stage_times': None, 'auto_refresh': None,
+    'output': None,
     'mesh': {'data', 'model'}, 'distributed': None,
 }
 

@@ -55,6 +55,9 @@ class Options:
   # SpecSettings knobs (gamma, n_branches, steps, ...); a missing one takes `spec_fields`' default.
   spec: dict = dataclasses.field(default_factory=dict)
   stage_times: bool = False  # also time draft / verify / accept alone (3 more programs compile)
+  # method='auto': probe again even where this machine remembers a choice for the same key
+  # (autoconfig.remembered_key), and remember the new one
+  auto_refresh: bool = False
 
 
 def methods() -> tuple[str, ...]:
@@ -367,7 +370,9 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   auto_stats = {}
   if options.method == 'auto':
     from d2sd_jax import autoconfig  # pylint: disable=import-outside-toplevel
-    options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok)
+    # (its progress lines go to stderr: stdout carries the completions and the stats line)
+    options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
+                                            log=lambda line: print(line, file=sys.stderr))
   settings = generation_settings(options, tok.eos_ids, tok.pad_id)
   spec = spec_fields(options, drafters)
   # A runner's decode loop compiles for one batch shape: the batch is part of the key.

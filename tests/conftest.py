@@ -32,6 +32,14 @@ def tiny():
   return TINY, tiny_params()
 
 
+@pytest.fixture(autouse=True)
+def auto_choices(tmp_path, monkeypatch):
+  """method='auto' remembers its choice on disk (autoconfig.choice_dir): every test gets an
+  empty folder of its own, so no test reads a choice another test (or the user) made."""
+  monkeypatch.setenv('D2SD_AUTO_CACHE', str(tmp_path / 'auto-choices'))
+  return tmp_path / 'auto-choices'
+
+
 @functools.lru_cache(maxsize=1)
 def _smollm2():
   return loaders.load_target('smollm2')

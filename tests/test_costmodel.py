@@ -1,7 +1,7 @@
 """Cost model, throughput model and method='auto' (tiny target: cheap; a roofline check at
 Qwen3-8B's shapes from lowered programs only)."""
 import dataclasses
-import itertools
+import json
 
 import jax
 import numpy as np
@@ -120,7 +120,7 @@ def test_roofline_prediction_at_qwen3_8b_shapes():
 
 
 def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folder, cost_cache,
-                                                                      monkeypatch):
+                                                                      auto_choices, monkeypatch):
   probed = []  # the prompts each probe decode got
   real_decode = decoding.decode_prompts
   monkeypatch.setattr(decoding, 'decode_prompts',
@@ -139,21 +139,114 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
                                   dataclasses.replace(base, method='auto'))
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
   table = stats['auto_candidates']
-  assert set(table) == {'ar', 'pld(gamma=4)', 'dflash', 'd2sd(K=1)', 'd2sd(K=2)'}
+  assert set(table) == {'ar', 'pld(gamma=4)', 'dflash', 'd2sd(K=1)', 'd2sd(K=2)',
+                        'd2sd_pld(K=1)'}
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   assert stats['auto_choice'] == best
   assert stats['predicted_tokens_per_s'] == table[best]['predicted_tokens_per_s']
   assert stats['method'] == table[best]['method']
-  for row in table.values():
-    assert row['tau'] >= 1.0 and row['cycle_ms'] > 0 and row['model_cycle_ms'] > 0
-    # the probe's own cycle time where it ran long enough, the cost model's otherwise
-    assert row['cycle_ms'] == (row['probe_cycle_ms'] if row['probe_cycles'] >=
-                               autoconfig.MIN_PROBE_CYCLES else row['model_cycle_ms'])
-  assert table['ar']['probe_cycles'] >= autoconfig.MIN_PROBE_CYCLES  # (the probe's time used)
+  assert 'ar' not in check_cycle_sources(table, cost_cache)  # (the probe's time used)
   # Each candidate's probe: the first prompt to warm up (it counts for τ), then the other,
   # timed; then the decode itself, both prompts in one batch-1 call.
   assert probed == [1, 1] * len(table) + [2], probed
   for row in table.values():
     expected = throughput.tokens_per_s(row['tau'], row['cycle_ms'] / 1e3, stats['batch_size'])
     assert abs(row['predicted_tokens_per_s'] - expected) <= 0.01 * expected + 0.01
-  assert list(itertools.islice(cost_cache.iterdir(), 1))  # the measured costs were cached
+  assert stats['auto_source'] == 'probed'
+
+  # The choice is remembered: the same request decodes at once with it (no probe), ...
+  remembered = list(auto_choices.iterdir())
+  assert [str(p) for p in remembered] == [stats['auto_file']]
+  probed.clear()
+  again, stats2 = decoding.generate(target, drafters, prompts,
+                                    dataclasses.replace(base, method='auto'))
+  assert probed == [2] and stats2['auto_source'] == 'remembered'
+  assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
+  assert (stats2['method'], stats2['auto_choice'], stats2['auto_candidates']) == (
+      stats['method'], best, table)
+  # ... and the file is what decides: edited to another candidate, that one decodes.
+  record = json.loads(remembered[0].read_text())
+  other = next(k for k in table if table[k]['method'] != stats['method'])
+  remembered[0].write_text(json.dumps(dict(record, auto_choice=other)))
+  probed.clear()
+  edited, stats3 = decoding.generate(target, drafters, prompts,
+                                     dataclasses.replace(base, method='auto'))
+  assert probed == [2] and stats3['method'] == table[other]['method']
+  assert [r['completion_ids'] for r in edited] == [r['completion_ids'] for r in ar]
+  # auto_refresh probes again and rewrites the record with the probes' own choice; with
+  # probes this short (9 cycles at most) every cycle time is now the cost model's (three
+  # candidates only: measuring the cost model is what takes time).
+  probed.clear()
+  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 10)
+  every = autoconfig.candidates
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d: every(d)[:3])
+  _, stats4 = decoding.generate(target, drafters, prompts,
+                                dataclasses.replace(base, method='auto', auto_refresh=True))
+  assert stats4['auto_source'] == 'probed' and len(probed) == 2 * 3 + 1
+  assert check_cycle_sources(stats4['auto_candidates'], cost_cache) == {'ar', 'pld(gamma=4)',
+                                                                          'dflash'}
+  rewritten = json.loads(remembered[0].read_text())
+  assert rewritten['auto_choice'] == stats4['auto_choice'] == max(
+      rewritten['auto_candidates'],
+      key=lambda k: rewritten['auto_candidates'][k]['predicted_tokens_per_s'])
+
+
+def check_cycle_sources(table: dict, cost_cache) -> set:
+  """Each candidate's cycle time is its probe's where the probe ran long enough, the cost
+  model's otherwise, and the cost model is measured (cached) only for those: the short ones."""
+  short = {k for k in table if table[k]['probe_cycles'] < autoconfig.MIN_PROBE_CYCLES}
+  for label, row in table.items():
+    assert row['tau'] >= 1.0 and row['cycle_ms'] > 0
+    if label in short:
+      assert row['cycle_ms'] == row['model_cycle_ms'] > 0, label
+    else:
+      assert row['cycle_ms'] == row['probe_cycle_ms'] and row['model_cycle_ms'] is None, label
+  assert bool(short) == (cost_cache.exists() and bool(list(cost_cache.iterdir())))
+  return short
+
+
+def test_remembered_key_separates_what_the_ranking_depends_on(tiny_folder):
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  d1 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))
+  d2 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(2)))
+  base = decoding.Options(method='auto', max_new_tokens=10, chat=False)
+  key = lambda drafters=None, batch=1, longest=12, **o: autoconfig.remembered_key(  # noqa: E731
+      target, {'drafter1': d1, 'drafter2': d2} if drafters is None else drafters,
+      dataclasses.replace(base, **o), batch, longest)
+  k0 = key()
+  # the same context window (prompt + new tokens <= 256): the same key
+  assert key() == k0 and key(longest=20) == k0 and key(max_new_tokens=40) == k0
+  # the prompts' text is left out: only their length's window counts
+  others = [key(batch=2), key(temperature=0.7), key(top_k=5), key(chat=True),
+            key(spec={'tree_budget': 16}), key(max_new_tokens=300), key(longest=600),
+            key(drafters={'drafter1': d1}),
+            key(drafters={'drafter1': d1, 'drafter2': (dcfg, D.init_params(
+                dcfg, target.cfg, jax.random.PRNGKey(3)))})]
+  assert len({k0, *others}) == len(others) + 1
+  assert key(auto_refresh=True, seed=5) == k0  # neither changes what wins
+
+
+def test_an_unreadable_or_stale_remembered_choice_is_probed_again(tmp_path):
+  drafters = {'drafter1': (TDCFG, None)}
+  weighed = {label: (m, k) for label, m, k in autoconfig.candidates(drafters)}
+  good = {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'dflash',
+          'predicted_tokens_per_s': 1.0, 'cost_device': 'cpu',
+          'auto_candidates': {label: {'method': m, 'spec': k, 'predicted_tokens_per_s': 1.0}
+                              for label, (m, k) in weighed.items()}}
+  path, said = tmp_path / 'c.json', []
+  assert autoconfig._read_remembered(str(path), drafters, said.append) is None and not said
+  path.write_text(json.dumps(good))
+  assert autoconfig._read_remembered(str(path), drafters, said.append) == good
+  bad = {'truncated': json.dumps(good)[:40],
+         'no choice': json.dumps({k: v for k, v in good.items() if k != 'auto_choice'}),
+         'another version': json.dumps(dict(good, version=autoconfig.RECORD_VERSION + 1)),
+         'other candidates': json.dumps(dict(good, auto_candidates={
+             **good['auto_candidates'], 'd2sd(K=9)': {'method': 'd2sd', 'spec': {}}})),
+         'other knobs': json.dumps(dict(good, auto_candidates={
+             **good['auto_candidates'], 'dflash': {'method': 'dflash', 'spec': {'gamma': 3}}}))}
+  for why, text in bad.items():
+    said.clear()
+    path.write_text(text)
+    assert autoconfig._read_remembered(str(path), drafters, said.append) is None, why
+    assert len(said) == 1 and str(path) in said[0] and 'probing again' in said[0], (why, said)

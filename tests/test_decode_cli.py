@@ -218,22 +218,44 @@ def test_prompts_file_takes_conversations_in_every_format(tiny_folder, tmp_path)
     decoding.run(config_for(tiny_folder, prompts_file=str(path), chat=False), out=io.StringIO())
 
 
-def test_decode_py_on_smollm2():
-  """The README's command, on the real target with the shipped drafters (D²SD is the default),
-  through the real entry point; the completion equals plain AR's."""
+def test_decode_py_on_smollm2(smollm2, auto_choices):
+  """The README's command, on the real target with the shipped drafters, through the real entry
+  point. Its default, method='auto', would probe SmolLM2's candidates for minutes here, so the
+  test gives it a remembered choice for exactly this request's key (D²SD with K = 4, which the
+  probes would not pick on this CPU): decode.py decodes with that at once, no probe, and the
+  completion equals plain AR's."""
+  from d2sd_jax import autoconfig  # pylint: disable=import-outside-toplevel
+  from d2sd_jax import checkpoints  # pylint: disable=import-outside-toplevel
+  prompt, new_tokens = 'What is the capital of France?', 12
+  config = smollm2_config.get_config()
+  assert config.method == 'auto'
+  config.update(prompt=prompt, max_new_tokens=new_tokens)
+  options = decoding.options_from_config(config)
+  drafters = {n: checkpoints.load_drafter(os.path.join(ROOT, config[n]), smollm2)[:2]
+              for n in decoding.DRAFTERS}
+  longest = len(smollm2.tokenizer.encode_prompt(prompt, True, {}))
+  key = autoconfig.remembered_key(smollm2, drafters, options, 1, longest)
+  table = {label: {'method': m, 'spec': k, 'predicted_tokens_per_s': 1.0}
+           for label, m, k in autoconfig.candidates(drafters)}
+  table['d2sd(K=4)']['predicted_tokens_per_s'] = 2.0
+  auto_choices.mkdir()
+  (auto_choices / f'{key}.json').write_text(json.dumps(
+      {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'd2sd(K=4)',
+       'predicted_tokens_per_s': 2.0, 'auto_candidates': table, 'cost_device': 'cpu'}))
   out = {}
   for extra in ([], ['--config.method=ar']):
     proc = subprocess.run(
         [sys.executable, 'decode.py', '--config', 'configs/smollm2.py',
-         '--config.max_new_tokens=12', '--config.prompt=What is the capital of France?', *extra],
+         f'--config.max_new_tokens={new_tokens}', f'--config.prompt={prompt}', *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     *text, last = proc.stdout.strip().split('\n')
     stats = json.loads(last)
     out[stats['method']] = '\n'.join(text)
-    assert 1 <= stats['new_tokens'] <= 12
+    assert 1 <= stats['new_tokens'] <= new_tokens
     if stats['method'] == 'd2sd':
-      assert stats['cycles'] >= 1 and stats['tau'] >= 1.0
+      assert (stats['auto_source'], stats['auto_choice']) == ('remembered', 'd2sd(K=4)')
+      assert stats['cycles'] >= 1 and stats['tau'] >= 1.0 and stats['tree_size'] == 36
   assert set(out) == {'d2sd', 'ar'}
   assert out['d2sd'] == out['ar'] and 'Paris' in out['ar']
 
