@@ -104,7 +104,7 @@ def row_of(method: str, stats: dict, ar_ms: float) -> dict:
           'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size')}
 
 
-def ladder(dec, n: int, tokens: int) -> dict:
+def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'humaneval_plain': ([p['prompt'] for p in humaneval(n)], False),
           'prose_chat': (prose(n), True)}
@@ -113,7 +113,7 @@ def ladder(dec, n: int, tokens: int) -> dict:
     rows, ar_ids, ar_ms = [], None, None
     for method in LADDER:
       g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
-                       stage_times=method != 'ar')
+                       stage_times=stage_times and method != 'ar')
       if method == 'ar':
         ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
       elif g.ids != ar_ids:
@@ -312,7 +312,8 @@ def main():
   results = kept_sections(path, only, settings, [args.drafter1, args.drafter2])
   dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
   if 'ladder' in only:
-    results['ladder'] = ladder(dec, n, tokens)
+    # (--quick: no per-stage times, 3 more programs per method to compile)
+    results['ladder'] = ladder(dec, n, tokens, stage_times=not args.quick)
   if 'scaling' in only:
     results['scaling'] = scaling(dec, n, tokens)
   if 'pareto' in only:

@@ -23,21 +23,21 @@ The stats report the choice (`auto_choice`), its prediction (`predicted_tokens_p
 candidate's figures (`auto_candidates`); the decode's own `decode_tokens_per_s` is measured as for
 any method.
 
-The choice is remembered: probing compiles one program per candidate (about a minute and a half
-for SmolLM2 on a 2-core CPU), so the result is written to a JSON file under
-~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE overrides), keyed by everything the ranking depends on
-but the prompts' text: the device kind and count, the JAX version, the target's fingerprint and
-dtype, each drafter's config and a digest of its weights, the batch, the sampling settings, the
-speculative knobs the request fixes, chat or not, and the context window the request needs
-(prompt + max_new_tokens: cycle costs depend on it). A later request with the same key decodes with the remembered configuration at
-once (`auto_source: 'remembered'`, `auto_file`; `auto_s`: the seconds choosing took);
-`auto_refresh=True` probes again and replaces it.
-Acceptance also depends on the prompts (prompt lookup thrives where answers repeat the prompt),
-and a little on the length (prompt lookup's τ grows along a completion), which the key leaves
-out on purpose (a choice per prompt would never be reused): the file records what it was
-probed on (`probed_on`), and a request of another kind should refresh it. An
-unreadable or stale file (a candidate this version no longer weighs) is probed again, never
-trusted.
+The choice is remembered: probing compiles one program per candidate and decodes with each
+(minutes for SmolLM2 on a 2-core CPU: 12.7 on the slowest machine measured), so the result is
+written to a JSON file under ~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE overrides), keyed by
+everything the ranking depends on but the prompts' text: the device kind and count, the JAX
+version, the target's fingerprint and dtype, each drafter's config and a digest of its weights,
+the batch, the sampling settings, the speculative knobs the request fixes, chat or not, and the
+context window the request needs (prompt + max_new_tokens: cycle costs depend on it). A later
+request with the same key decodes with the remembered configuration at once (`auto_source:
+'remembered'`, `auto_file`; `auto_s`: the seconds choosing took); `auto_refresh=True` probes
+again and replaces it. Acceptance also depends on the prompts (prompt lookup thrives where
+answers repeat the prompt) and a little on the length (prompt lookup's τ grows along a
+completion), which the key leaves out on purpose (a choice per prompt would never be reused):
+the file records what it was probed on (`probed_on`), and a request of another kind should
+refresh it. An unreadable or stale file (a candidate this version no longer weighs) is probed
+again, never trusted.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
   record = None if options.auto_refresh else _read_remembered(path, drafters, log)
   source = 'remembered'
   if record is None:
-    log(f'auto: probing {len(candidates(drafters))} configurations on this machine (once per '
-        f'key; remembered in {path})')
+    log(f'auto: probing {len(candidates(drafters))} configurations on this machine, once for '
+        f'these settings (minutes; an explicit method skips it); remembered in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
     _write_json(path, record)
   best = record['auto_candidates'][record['auto_choice']]

@@ -1,9 +1,13 @@
-"""benchmarks/reproduce.py's quality measures (the Pareto frontier's axes) on known answers."""
+"""benchmarks/reproduce.py's quality measures (the Pareto frontier's axes) on known answers, and
+its --quick run end to end (slow: CI runs it, .ci/run)."""
+import json
 import os
+import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
 import reproduce  # pylint: disable=wrong-import-position
@@ -76,3 +80,34 @@ def test_only_keeps_the_other_sections_of_a_run_with_the_same_settings(tmp_path)
   for bad in ('paretto', '', 'ladder,,x'):
     with pytest.raises(ValueError, match='sections are ladder'):
       reproduce.sections_of(bad)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_section_and_the_tables(tmp_path):
+  """`reproduce.py --quick` on SmolLM2 with the shipped drafters: every section in the JSON, the
+  ladder lossless (the script stops at any output that differs from AR's) with every rung, the
+  plots, and --markdown's tables from that JSON."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / 'results'
+  script = os.path.join(root, 'benchmarks', 'reproduce.py')
+  proc = subprocess.run([sys.executable, script, '--quick', '--out', str(out)], cwd=root,
+                        capture_output=True, text=True, timeout=3600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads((out / 'reproduce-quick.json').read_text())
+  assert set(reproduce.SECTIONS) <= set(res) and res['settings'].startswith('3 prompts, 32')
+  assert set(res['ladder']) == {'humaneval_chat', 'humaneval_plain', 'prose_chat'}
+  for rows in res['ladder'].values():
+    assert [r['method'] for r in rows] == list(reproduce.LADDER)
+    assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
+  assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
+  assert [r['n_branches'] for r in res['scaling']['branches']] == [1, 2, 4]
+  points = res['pareto']['points']
+  assert {(p['steps'], p['leniency']) for p in points} == {(1, 0.0), (1, 0.5), (2, 0.0), (2, 0.5)}
+  assert all(p['agreement'] == 1.0 for p in points if p['leniency'] == 0.0)
+  assert any(p['frontier'] for p in points)
+  assert any(r.get('summary') == 'drafter_quality' for r in res['calibration']['rows'])
+  for png in ('ladder.png', 'pareto.png', 'calibration.png'):
+    assert (out / png).stat().st_size > 1000, png
+  md = subprocess.run([sys.executable, script, '--markdown', '--out', str(out)], cwd=root,
+                      capture_output=True, text=True, timeout=600, check=True).stdout
+  assert '| d2sd_pld |' in md and '| steps | λ |' in md and 'calibration:' in md
