@@ -91,7 +91,7 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
     log(f'auto: probing {len(candidates(drafters))} configurations on this machine, once for '
         f'these settings (minutes; an explicit method skips it); remembered in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
-    _write_json(path, record)
+    costmodel.write_json(path, record)
   best = record['auto_candidates'][record['auto_choice']]
   chosen = dataclasses.replace(options, method=best['method'],
                                spec={**options.spec, **best['spec']})
@@ -229,12 +229,3 @@ def _read_remembered(path: str, drafters: dict, log) -> dict | None:
     log(f'auto: the remembered choice {path} weighed other configurations; probing again')
     return None
   return record
-
-
-def _write_json(path: str, record: dict) -> None:
-  """Written whole or not at all (a reader never sees half a file)."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f'{path}.{os.getpid()}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(record, f, indent=1)
-  os.replace(tmp, path)
