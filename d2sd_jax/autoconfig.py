@@ -121,13 +121,15 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
       specs[label] = SP.SpecSettings(settings, method=method, **{**fixed, **knobs}, **cfgs)
   probed = {}
   probe_ids = prompt_ids[:PROBE_PROMPTS]
+  width = max(map(len, probe_ids))  # one program per candidate, for every probe prompt
   for label, method, knobs in cands:
-    runner = decoding.make_runner(target, probe_settings, method, max(map(len, probe_ids)),
-                                  limit, drafters, **({} if method == 'ar' else {**fixed, **knobs}))
+    runner = decoding.make_runner(target, probe_settings, method, width, limit, drafters,
+                                  **({} if method == 'ar' else {**fixed, **knobs}))
     # The first prompt warms the programs up (a first run pays one-off costs): it counts for
     # E[τ], and the cycle time comes from the others.
-    _, warm = decoding.decode_prompts(runner, tok, probe_ids[:1], 1, options.seed)
-    _, st = decoding.decode_prompts(runner, tok, probe_ids[1:] or probe_ids, 1, options.seed)
+    _, warm = decoding.decode_prompts(runner, tok, probe_ids[:1], 1, options.seed, width)
+    _, st = decoding.decode_prompts(runner, tok, probe_ids[1:] or probe_ids, 1, options.seed,
+                                    width)
     hist = None if method == 'ar' or warm['hist'] is None else (
         warm['hist'] + st['hist'] if len(probe_ids) > 1 else st['hist'])
     probed[label] = (hist, st['decode_s'], st['decode_steps'])

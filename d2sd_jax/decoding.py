@@ -198,7 +198,7 @@ class Runner:
     self.params, self.cfg, self.cache_size = params, cfg, cache_size
     self._prefill_fn, self._loop_fn, self._static = prefill_fn, loop_fn, static
     self.compile_s = 0.0
-    self._prefill, self._loop = {}, None
+    self._prefill, self._loop = {}, {}  # compiled programs by prompt block shape
 
   def _compiled_prefill(self, prompts, lens, keys):
     if prompts.shape not in self._prefill:
@@ -209,20 +209,20 @@ class Runner:
       self.compile_s += time.perf_counter() - t
     return self._prefill[prompts.shape]
 
-  def _compiled_loop(self, state):
-    if self._loop is None:
+  def _compiled_loop(self, state, shape):
+    if shape not in self._loop:
       t = time.perf_counter()
       fn = jax.jit(self._loop_fn, static_argnums=(1, 2), donate_argnums=(3,))
-      self._loop = fn.lower(self.params, self.cfg, self._static, state).compile()
+      self._loop[shape] = fn.lower(self.params, self.cfg, self._static, state).compile()
       self.compile_s += time.perf_counter() - t
-    return self._loop
+    return self._loop[shape]
 
   def __call__(self, prompts_BxP, lens_B, keys_B):
     prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
     t0 = time.perf_counter()
     state = jax.block_until_ready(prefill(self.params, prompts_BxP, lens_B, keys_B))
     t1 = time.perf_counter()
-    loop = self._compiled_loop(state)
+    loop = self._compiled_loop(state, prompts_BxP.shape)
     t1b = time.perf_counter()  # compilation is not decode time
     state = jax.block_until_ready(loop(self.params, state))
     return state, t1 - t0, time.perf_counter() - t1b
@@ -312,15 +312,18 @@ def make_runner(target, settings: G.GenerationSettings, method: str, longest: in
   return SpecRunner(params, target.cfg, spec, prompt_block)
 
 
-def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int):
+def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
+                   width: int | None = None):
   """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
-  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, first_batch)."""
+  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, first_batch).
+
+  Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
+  prefill and one decode-loop program for the run, whatever the prompt lengths of each batch
+  (a caller decoding a request in parts passes the whole request's width)."""
   completions = []
   stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None}
   B = batch_size
-  # Every batch gets the same prompt width (the longest prompt's, bucketed): one prefill and one
-  # decode-loop program for the run, whatever the prompt lengths of each batch.
-  width = _round_up(max(len(p) for p in prompt_ids), PROMPT_BUCKET)
+  width = _round_up(width or max(len(p) for p in prompt_ids), PROMPT_BUCKET)
   for start in range(0, len(prompt_ids), B):
     rows = list(range(start, min(start + B, len(prompt_ids))))
     # A short last batch is filled with copies of its first row (same program, outputs dropped).

@@ -191,6 +191,31 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
       key=lambda k: rewritten['auto_candidates'][k]['predicted_tokens_per_s'])
 
 
+@pytest.mark.parametrize('batch_size', [1, 3])
+def test_auto_on_prompts_of_different_lengths_equals_ar(tiny_folder, cost_cache, monkeypatch,
+                                                        batch_size):
+  """Prompts in different prompt buckets (64 and 128 tokens wide): the probes, whose first
+  prompt is shorter than the others, and the decode run one program per candidate and give
+  AR's tokens."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1))),
+              'drafter2': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(2)))}
+  every = autoconfig.candidates  # AR, prompt lookup and D²SD: one of each kind of program
+  monkeypatch.setattr(autoconfig, 'candidates',
+                      lambda d: [c for c in every(d) if c[0] in ('ar', 'pld(gamma=4)',
+                                                                'd2sd(K=1)')])
+  prompts = ['short one', 'a much longer prompt, ' * 4, 'in between: ' * 3, 'x']
+  lens = [len(target.tokenizer.encode_prompt(p, False)) for p in prompts]
+  assert lens[0] <= decoding.PROMPT_BUCKET < lens[1]  # the first probe prompt is narrower
+  base = decoding.Options(method='ar', max_new_tokens=10, chat=False, batch_size=batch_size)
+  ar, _ = decoding.generate(target, drafters, prompts, base)
+  auto, stats = decoding.generate(target, drafters, prompts,
+                                  dataclasses.replace(base, method='auto'))
+  assert stats['auto_source'] == 'probed' and len(stats['auto_candidates']) == 3
+  assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
+
+
 def check_cycle_sources(table: dict, cost_cache) -> set:
   """Each candidate's cycle time is its probe's where the probe ran long enough, the cost
   model's otherwise, and the cost model is measured (cached) only for those: the short ones."""

@@ -256,17 +256,20 @@ def test_column_products_change_only_the_summation_order(tiny, tied, monkeypatch
     h, _, _ = M.forward(p, cfg, nodes[:1, :1], six[:, None], cache, six)
     return M.logits(p, cfg, h)
 
-  outs = {}
+  outs, steps, shared = {}, {}, None
   for name, rows in (('columns', M.COLUMN_ROWS), ('rows', (2, 0))):
     monkeypatch.setattr(M, 'COLUMN_ROWS', rows)
     jax.clear_caches()  # `run` is traced again under the new COLUMN_ROWS
     barriers = str(jax.make_jaxpr(run)(params)).count('optimization_barrier')
     # qkv, o, gate/up and down per layer, and the LM head: for the prefill and for the tree
     assert barriers == (2 * (4 * cfg.n_layers + 1) if name == 'columns' else 0), barriers
-    got = jax.jit(run)(params)
-    row0 = [{k: v[:1] for k, v in kv.items()} for kv in got[4]]
-    outs[name] = got, jax.jit(step)(params, row0)
-  (cols, col_step), (rows_, row_step) = outs['columns'], outs['rows']
-  for a, b in zip(jax.tree.leaves(cols[:4]), jax.tree.leaves(rows_[:4])):
+    outs[name] = jax.jit(run)(params)
+    if shared is None:  # one cache for both steps: each run's own prefill differs in rounding
+      shared = [{k: v[:1] for k, v in kv.items()} for kv in outs[name][4]]
+    steps[name] = (str(jax.make_jaxpr(step)(params, shared)), jax.jit(step)(params, shared))
+  for a, b in zip(jax.tree.leaves(outs['columns'][:4]), jax.tree.leaves(outs['rows'][:4])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-  np.testing.assert_array_equal(col_step, row_step)
+  # One row is outside COLUMN_ROWS either way: the step traces to one program, which gives the
+  # same logits on the same cache.
+  assert steps['columns'][0] == steps['rows'][0]
+  np.testing.assert_array_equal(steps['columns'][1], steps['rows'][1])
