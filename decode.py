@@ -2,14 +2,14 @@
 from ml_collections import config_flags
 
 from d2sd_jax import cli
-from d2sd_jax import decoding
+from d2sd_jax.decode import generate as generate_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'decode config file', lock_config=True)
 
 
 def main(argv):
   del argv
-  decoding.run(_CONFIG.value)
+  generate_lib.run(_CONFIG.value)
 
 
 if __name__ == '__main__':

@@ -3,7 +3,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from d2sd_jax import cli
-from d2sd_jax import training
+from d2sd_jax.train import training
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'training config file', lock_config=True)
 

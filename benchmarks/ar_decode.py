@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax import decoding
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
-from d2sd_jax import model as model_lib
+from d2sd_jax.decode import runner as runner_lib
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import target as model_lib
 
 PROMPT = 'Write a Python function that checks whether a string is a palindrome.'
 
@@ -40,10 +40,10 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 10) -> float:
 def decode_speed(target, batch_size: int, new_tokens: int, repeats: int) -> dict:
   tok = target.tokenizer
   ids = tok.encode_prompt(PROMPT, chat=True)
-  settings = G.GenerationSettings(max_new_tokens=new_tokens, eos_ids=(), pad_id=tok.pad_id)
-  block, lens = G.pad_prompts([ids] * batch_size, tok.pad_id, decoding.PROMPT_BUCKET)
-  runner = decoding.ARRunner(target, settings, block.shape[1] + new_tokens)
-  keys = G.row_keys(0, range(batch_size))
+  settings = AR.GenerationSettings(max_new_tokens=new_tokens, eos_ids=(), pad_id=tok.pad_id)
+  block, lens = AR.pad_prompts([ids] * batch_size, tok.pad_id, runner_lib.PROMPT_BUCKET)
+  runner = runner_lib.ARRunner(target, settings, block.shape[1] + new_tokens)
+  keys = AR.row_keys(0, range(batch_size))
   runner(block, lens, keys)  # compile and warm up
   times = []
   for _ in range(repeats):

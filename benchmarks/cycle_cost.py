@@ -33,14 +33,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 from spec_decode import humaneval_prompts  # pylint: disable=wrong-import-position
 
-from d2sd_jax import checkpoints as ckpt  # pylint: disable=wrong-import-position
-from d2sd_jax import costmodel  # pylint: disable=wrong-import-position
-from d2sd_jax import drafter as drafter_lib  # pylint: disable=wrong-import-position
-from d2sd_jax import generate as G  # pylint: disable=wrong-import-position
-from d2sd_jax import loaders  # pylint: disable=wrong-import-position
-from d2sd_jax import model as model_lib  # pylint: disable=wrong-import-position
-from d2sd_jax import sampling as sampling_lib  # pylint: disable=wrong-import-position
-from d2sd_jax import speculative as SP  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
+from d2sd_jax.models import drafter as drafter_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.spec import ar as AR  # pylint: disable=wrong-import-position
+from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
+from d2sd_jax.models import target as model_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.models import sampling as sampling_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.spec import speculative as SP  # pylint: disable=wrong-import-position
+from d2sd_jax.formats.drafters import load_drafter
 
 SAMPLED = sampling_lib.SamplingSettings(temperature=0.6, top_k=2)
 # (figure, what it is divided by, goal: at most this ratio)
@@ -153,15 +153,15 @@ def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
 def ar_stage(params, cfg, gen, prompt_BxP, lens_B, cache_size) -> Stage:
   """decode_step after the prefill, each iteration on the last one's state (one token each)."""
   B = prompt_BxP.shape[0]
-  state = jax.jit(G.prefill, static_argnums=(1, 2, 6))(params, cfg, gen, prompt_BxP, lens_B,
-                                                       G.row_keys(0, range(B)), cache_size)
-  return Stage(lambda s, p: G.decode_step(p, cfg, gen, s), state, params)
+  state = jax.jit(AR.prefill, static_argnums=(1, 2, 6))(params, cfg, gen, prompt_BxP, lens_B,
+                                                       AR.row_keys(0, range(B)), cache_size)
+  return Stage(lambda s, p: AR.decode_step(p, cfg, gen, s), state, params)
 
 
 def spec_state(bundle, cfg, settings, prompt_BxP, lens_B, cache_size):
   B = prompt_BxP.shape[0]
   return jax.jit(SP.init_state, static_argnums=(1, 2, 6))(
-      bundle, cfg, settings, prompt_BxP, lens_B, G.row_keys(0, range(B)), cache_size)
+      bundle, cfg, settings, prompt_BxP, lens_B, AR.row_keys(0, range(B)), cache_size)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -183,8 +183,8 @@ def load(quick: bool):
     prompts = [rng.integers(1, 256, 96).tolist() for _ in range(8)]
     return cfg, params, (dcfg, d1), (dcfg, d2), prompts, 'tiny random target and drafters'
   target = loaders.load_target('smollm2')
-  d1cfg, d1, _ = ckpt.load_drafter('drafters/smollm2-drafter1', target)
-  d2cfg, d2, _ = ckpt.load_drafter('drafters/smollm2-drafter2', target)
+  d1cfg, d1, _ = load_drafter('drafters/smollm2-drafter1', target)
+  d2cfg, d2, _ = load_drafter('drafters/smollm2-drafter2', target)
   prompts = [target.tokenizer.encode_prompt(p, chat=False) for p in humaneval_prompts(164)]
   return (target.cfg, target.params, (d1cfg, d1), (d2cfg, d2), prompts,
           'smollm2 (float32) + drafters/smollm2-drafter1, -drafter2')
@@ -223,8 +223,8 @@ def main():
 
   # Batch 1, greedy, a long real context; every stage alternates with the AR step.
   prompt = max(prompts, key=len)[:args.prompt_tokens]
-  gen = G.GenerationSettings(max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0)
-  block, lens = G.pad_prompts([prompt], 0, bucket=64)
+  gen = AR.GenerationSettings(max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0)
+  block, lens = AR.pad_prompts([prompt], 0, bucket=64)
   # One cache size for every program, as decode.py sizes it (an AR row stops advancing after
   # new_tokens and goes on doing the same work at the same position).
   cache_size = _round_up(block.shape[1] + args.new_tokens + 64, 64)
@@ -266,17 +266,17 @@ def main():
   cache_b = 0
   if B:
     rows = [p[:args.batch_context] for p in (prompts * B)[:B]]
-    block_b, lens_b = G.pad_prompts(rows, 0, bucket=32)
+    block_b, lens_b = AR.pad_prompts(rows, 0, bucket=32)
     cache_b = _round_up(block_b.shape[1] + R + 2 * gamma + 2, 32)
     ar_b = {}
     for name, sampling in (('greedy', sampling_lib.SamplingSettings()), ('sampled', SAMPLED)):
-      gen_b = G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0, sampling=sampling)
+      gen_b = AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0, sampling=sampling)
       ar_b[name] = ar_stage(params, cfg, gen_b, block_b, lens_b, cache_b)
     ms['ar_step_sampled_b'], ms['ar_step_greedy_b'] = paired_ms(ar_b['sampled'], ar_b['greedy'],
                                                                 R)
     ref_ms['ar_step_sampled_b'] = ms['ar_step_greedy_b']
     del ar_b
-    gen_b = G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0, sampling=SAMPLED)
+    gen_b = AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0, sampling=SAMPLED)
     settings = SP.SpecSettings(gen_b, method='pld', gamma=gamma)
     state = spec_state({'target': bundle['target']}, cfg, settings, block_b, lens_b, cache_b)
     stages = cycle_stages({'target': bundle['target']}, cfg, settings, state,

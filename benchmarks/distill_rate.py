@@ -21,22 +21,22 @@ import time
 
 import jax
 
-from d2sd_jax import batching
-from d2sd_jax import decoding
-from d2sd_jax import distill
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
+from d2sd_jax.train import batching
+from d2sd_jax.decode import runner as runner_lib
+from d2sd_jax.train import distill
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
 
 
 def old_path(target, settings, prompts, batch_size: int, cache_size: int):
   """distill.py before continuous batching (its loop, unchanged)."""
-  runner = decoding.ARRunner(target, settings, cache_size)
+  runner = runner_lib.ARRunner(target, settings, cache_size)
   outs, t0 = [], time.perf_counter()
   for b in range(0, len(prompts), batch_size):
     rows_ids = prompts[b:b + batch_size]
     rows_ids = rows_ids + [rows_ids[0]] * (batch_size - len(rows_ids))
-    block, lens = G.pad_prompts(rows_ids, settings.pad_id, decoding.PROMPT_BUCKET)
-    state, _, _ = runner(block, lens, G.row_keys(0, range(batch_size)))
+    block, lens = AR.pad_prompts(rows_ids, settings.pad_id, runner_lib.PROMPT_BUCKET)
+    state, _, _ = runner(block, lens, AR.row_keys(0, range(batch_size)))
     out, count = jax.device_get((state.out_BxN, state.num_out_B))
     outs += [out[i, :count[i]].tolist() for i in range(min(batch_size, len(prompts) - b))]
   return outs, time.perf_counter() - t0 - runner.compile_s, runner.compile_s
@@ -59,7 +59,7 @@ def main():
   tok = target.tokenizer
   rows = distill.encoded(distill.training_prompts(4096), tok, 448)
   prompts = [r['prompt_ids'] for r in rows[args.offset:args.offset + args.n]]
-  settings = G.GenerationSettings(max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids,
+  settings = AR.GenerationSettings(max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids,
                                   pad_id=tok.pad_id)
   lens = sorted(len(p) for p in prompts)
   print(json.dumps({'prompts': len(prompts), 'prompt_tokens_median': lens[len(lens) // 2],
@@ -71,7 +71,7 @@ def main():
       gen = batching.Generator(target.params, target.cfg, settings, batch_size, bounds,
                                args.prompt_bucket)
       t0 = time.perf_counter()
-      outs = gen.generate(prompts)
+      outs = gen.complete(prompts)
       wall = time.perf_counter() - t0 - gen.compile_s
       stats = gen.stats()
       row = {'path': 'new', 'batch_size': batch_size, 'length_bounds': bounds,

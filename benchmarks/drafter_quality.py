@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 from spec_decode import humaneval_prompts  # pylint: disable=wrong-import-position
 
-from d2sd_jax import calibration  # pylint: disable=wrong-import-position
-from d2sd_jax import checkpoints as ckpt  # pylint: disable=wrong-import-position
-from d2sd_jax import decoding  # pylint: disable=wrong-import-position
-from d2sd_jax import loaders  # pylint: disable=wrong-import-position
-from d2sd_jax import losses  # pylint: disable=wrong-import-position
-from d2sd_jax import training  # pylint: disable=wrong-import-position
+from d2sd_jax.train import calibration  # pylint: disable=wrong-import-position
+from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
+from d2sd_jax.train import losses  # pylint: disable=wrong-import-position
+from d2sd_jax.train import training  # pylint: disable=wrong-import-position
+from d2sd_jax.formats.drafters import load_drafter
 
 BUCKET = 64
 
@@ -55,7 +55,7 @@ def target_sequences(prompts, args, target):
     out = os.path.join(tmp, 'ar.jsonl')
     c.update(method='ar', prompts_file=prompts_file, chat=args.chat,
              max_new_tokens=args.new_tokens, output=out)
-    decoding.run(c, out=io.StringIO())
+    generate_lib.run(c, out=io.StringIO())
     with open(out) as f:
       completions = [json.loads(line)['completion_ids'] for line in f]
   seqs = []
@@ -111,7 +111,7 @@ def main():
   args = parser.parse_args()
 
   target = loaders.load_target('smollm2', 'float32')
-  drafters = {name: ckpt.load_drafter(path, target) for name, path in
+  drafters = {name: load_drafter(path, target) for name, path in
               (('drafter1', args.drafter1), ('drafter2', args.drafter2)) if path}
   if 'drafter1' not in drafters:
     raise SystemExit('--drafter1 is required')

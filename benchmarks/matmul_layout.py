@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from d2sd_jax import costmodel  # pylint: disable=wrong-import-position
-from d2sd_jax import loaders  # pylint: disable=wrong-import-position
-from d2sd_jax import model as model_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
+from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
+from d2sd_jax.models import target as model_lib  # pylint: disable=wrong-import-position
 
 
 def projections(cfg: model_lib.ModelConfig) -> dict[str, tuple[int, int, int]]:

@@ -73,7 +73,7 @@ def nll_per_token(target, prompt_ids: list[int], completion_ids: list[int]) -> f
   """The target's mean -log p (temperature 1) of the completion given the prompt."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from d2sd_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.models import target as model_lib  # pylint: disable=import-outside-toplevel
   if not completion_ids:
     return float('nan')
   ids = np.asarray([list(prompt_ids) + list(completion_ids)], np.int32)

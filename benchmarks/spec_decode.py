@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 
-from d2sd_jax import decoding  # pylint: disable=wrong-import-position
+from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 
 
 def humaneval_problems(n: int) -> list[dict]:
@@ -86,7 +86,7 @@ def main():
                drafter2=args.drafter2, stage_times=method != 'ar')
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
                     redraft=args.redraft, steps=args.steps)
-      stats = decoding.run(c, out=io.StringIO())
+      stats = generate_lib.run(c, out=io.StringIO())
       with open(out) as f:
         return stats, [json.loads(line)['completion_ids'] for line in f]
 

@@ -23,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
 import drafter1 as drafter1_config  # pylint: disable=wrong-import-position
 
-from d2sd_jax import drafter as drafter_lib  # pylint: disable=wrong-import-position
-from d2sd_jax import loaders  # pylint: disable=wrong-import-position
-from d2sd_jax import training  # pylint: disable=wrong-import-position
+from d2sd_jax.models import drafter as drafter_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
+from d2sd_jax.train import training  # pylint: disable=wrong-import-position
 
 
 def main():

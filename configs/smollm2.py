@@ -15,8 +15,8 @@ def get_config():
   # Decoding method: 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
   # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2),
   # 'd2sd_pld' (d2sd + prompt lookup's proposal as one more branch), 'auto' (the highest
-  # predicted tokens/s on this machine: d2sd_jax/autoconfig.py), or any method added with
-  # d2sd_jax.drafting.register. 'auto' probes its candidates once per machine and settings
+  # predicted tokens/s on this machine: d2sd_jax/decode/autoconfig.py), or any method added with
+  # d2sd_jax.register. 'auto' probes its candidates once per machine and settings
   # (minutes) and remembers the choice; a later run with the same key starts at once.
   c.method = 'auto'  # (d2sd and the drafter methods need the drafters below; ar and pld none)
   c.drafter1 = 'drafters/smollm2-drafter1'  # drafter 1: a train.py workdir or an exported drafter

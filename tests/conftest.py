@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models
 
-from d2sd_jax import loaders
-from d2sd_jax import model as model_lib
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import target as model_lib
 
 jax.config.update('jax_enable_x64', False)
 

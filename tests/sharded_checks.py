@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import TINY, tiny_params  # pylint: disable=wrong-import-position
 import spec_helpers  # pylint: disable=wrong-import-position
 
-from d2sd_jax import generate as G  # pylint: disable=wrong-import-position
-from d2sd_jax import model as M  # pylint: disable=wrong-import-position
-from d2sd_jax import sharding  # pylint: disable=wrong-import-position
-from d2sd_jax import speculative as SP  # pylint: disable=wrong-import-position
+from d2sd_jax.spec import ar as AR  # pylint: disable=wrong-import-position
+from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
+from d2sd_jax.models import sharding  # pylint: disable=wrong-import-position
+from d2sd_jax.spec import speculative as SP  # pylint: disable=wrong-import-position
 
 
 def check_rules():
@@ -69,7 +69,7 @@ def check_rules():
 def check_train(tiny_folder, distill_dir, workdir):
   """The same tiny run on one device and on 2x4 / 4x2 meshes: same losses and parameters."""
   import test_training  # pylint: disable=import-outside-toplevel
-  from d2sd_jax import training  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
   out = {}
   for data, model in ((1, 1), (2, 4), (4, 2)):
     c = test_training.tiny_config(tiny_folder, distill_dir, os.path.join(workdir, f'{data}x{model}'),
@@ -92,7 +92,7 @@ def check_decode():
   token; the whole generation is still one while_loop program."""
   params = tiny_params()
   bundle = spec_helpers.trained_bundle((TINY, params))  # drafts are accepted, on branches too
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
                          method='d2sd', gamma=5, n_branches=2, drafter1=spec_helpers.DCFG,
                          drafter2=spec_helpers.DCFG2)
   ar, plain, _ = spec_helpers.run_both(TINY, bundle, spec_helpers.PROMPTS, spec)
@@ -119,7 +119,8 @@ def check_load(folder):
   """A bfloat16 checkpoint (written by test_sharding.write_wide_checkpoint) loaded onto a 1x8
   mesh: each device holds about 1/8 of the bytes, and the host memory the load adds at its peak
   stays below the checkpoint's float32 size (no float32 copy, no whole model on one device)."""
-  from d2sd_jax import checkpoints, loaders  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import checkpoints  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import loaders
   import json  # pylint: disable=import-outside-toplevel
   with open(os.path.join(folder, 'config.json')) as f:
     n_params = json.load(f)['n_params']

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from d2sd_jax import drafter as D
-from d2sd_jax import drafting
-from d2sd_jax import generate as G
-from d2sd_jax import losses
-from d2sd_jax import model as M
-from d2sd_jax import speculative as SP
-from d2sd_jax import tree as tree_lib
+from d2sd_jax.models import drafter as D
+from d2sd_jax.spec import drafting
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.train import losses
+from d2sd_jax.models import target as M
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec import tree as tree_lib
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60, 5, 9, 2], [12], [40, 41, 42, 43, 40, 41]]
 DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -65,9 +65,9 @@ def _training_data(cfg, params):
   rng = np.random.default_rng(0)
   prompts = PROMPTS + [rng.integers(1, 64, rng.integers(1, 10)).tolist() for _ in range(29)]
   n = 40
-  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0)
-  block, lens = G.pad_prompts(prompts, 0, bucket=8)
-  ar = jitted()[0](params, cfg, gen, block, lens, G.row_keys(0, range(len(prompts))),
+  gen = AR.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0)
+  block, lens = AR.pad_prompts(prompts, 0, bucket=8)
+  ar = jitted()[0](params, cfg, gen, block, lens, AR.row_keys(0, range(len(prompts))),
                    block.shape[1] + n)
   L = block.shape[1] + n
   seq = np.zeros((len(prompts), L), np.int32)
@@ -140,15 +140,15 @@ def trained_bundle(tiny, steps: int = 400):
 
 @functools.lru_cache(maxsize=None)
 def jitted():
-  return (jax.jit(G.generate, static_argnums=(1, 2, 6)),
+  return (jax.jit(AR.decode, static_argnums=(1, 2, 6)),
           jax.jit(SP.init_state, static_argnums=(1, 2, 6)),
           jax.jit(SP.spec_loop, static_argnums=(1, 2)),
           jax.jit(SP.spec_step, static_argnums=(1, 2)))
 
 
-def ar_outputs(cfg, target_params, prompts, gen: G.GenerationSettings, seed=0):
-  block, lens = G.pad_prompts(prompts, gen.pad_id, bucket=8)
-  ar = jitted()[0](target_params, cfg, gen, block, lens, G.row_keys(seed, range(len(prompts))),
+def ar_outputs(cfg, target_params, prompts, gen: AR.GenerationSettings, seed=0):
+  block, lens = AR.pad_prompts(prompts, gen.pad_id, bucket=8)
+  ar = jitted()[0](target_params, cfg, gen, block, lens, AR.row_keys(seed, range(len(prompts))),
                    block.shape[1] + gen.max_new_tokens)
   return [ar.out_BxN[b, :ar.num_out_B[b]].tolist() for b in range(len(prompts))]
 
@@ -156,8 +156,8 @@ def ar_outputs(cfg, target_params, prompts, gen: G.GenerationSettings, seed=0):
 def run_both(cfg, params, prompts, spec, seed=0):
   """AR tokens and speculative tokens for the same prompts and row keys."""
   _, init, loop, _ = jitted()
-  block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
-  keys = G.row_keys(seed, range(len(prompts)))
+  block, lens = AR.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
+  keys = AR.row_keys(seed, range(len(prompts)))
   target_params = params['target'] if 'target' in params else params
   ar_out = ar_outputs(cfg, target_params, prompts, spec.generation, seed)
   bundle = params if isinstance(params, dict) and 'target' in params else {'target': params}
@@ -206,8 +206,8 @@ def run_cycles(cfg, bundle, spec, prompts, seed=0, check_caches=True, on_cycle=N
   drafts, and `branch_accepts`: row-cycles whose accepted path left drafter 1's chain (any
   node of index >= gamma, the layout of drafting.pack_tree)."""
   init, draft, verify, accept, commit = _stage_programs()
-  block, lens = G.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
-  state = init(bundle, cfg, spec, block, lens, G.row_keys(seed, range(len(prompts))),
+  block, lens = AR.pad_prompts(prompts, spec.generation.pad_id, bucket=8)
+  state = init(bundle, cfg, spec, block, lens, AR.row_keys(seed, range(len(prompts))),
                SP.cache_size_needed(block.shape[1], spec))
   counts = {'cycles': 0, 'accepted': 0, 'branch_accepts': 0}
   while not bool(state.done_B.all()):
@@ -271,8 +271,8 @@ def oracle_spec(gen, name='oracle_tree'):
 def check_oracle_tree(tiny, bundle, max_new_tokens=24):
   """Branch paths accepted every cycle: output = AR, every cache = a fresh prefill."""
   cfg, params = tiny
-  gen = G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0)
-  long = G.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0)
+  long = AR.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
   reference = jnp.asarray(ar_outputs(cfg, params, PROMPTS, long))
   drafting.register('oracle_tree', oracle_tree(reference, cfg.vocab_size))
   try:
@@ -290,7 +290,7 @@ def eos_case(tiny, max_new_tokens=24):
   cfg, params = tiny
   G_ = DCFG.gamma
   ref = ar_outputs(cfg, params, PROMPTS[:1],
-                   G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0))[0]
+                   AR.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(), pad_id=0))[0]
   for i in range(1, len(ref)):
     # The prefill emits token 0; cycle c emits tokens 1 + c·G .. G + c·G (G-1 drafts + bonus).
     if (i - 1) % G_ <= G_ - 3 and ref[i] not in ref[:i]:
@@ -301,10 +301,10 @@ def eos_case(tiny, max_new_tokens=24):
 def check_eos_inside_accepted_path(tiny, bundle, max_new_tokens=24):
   cfg, params = tiny
   eos, index = eos_case(tiny, max_new_tokens)
-  free = G.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(),
+  free = AR.GenerationSettings(max_new_tokens=max_new_tokens + 2 * DCFG.gamma, eos_ids=(),
                               pad_id=0)
   reference = jnp.asarray(ar_outputs(cfg, params, PROMPTS, free))
-  gen = G.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(eos,), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(eos,), pad_id=0)
   ar = ar_outputs(cfg, params, PROMPTS, gen)
   assert len(ar[0]) == index + 1 and ar[0][-1] == eos
   seen = []
@@ -384,13 +384,13 @@ def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3):
   """After a few cycles on PROMPTS, D2SD's tree holds drafter 1's chain, branches at the top-K
   r(i) cuts, and exactly what drafter 2 drafts alone from each branch prefix."""
   cfg, _ = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=40, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=40, eos_ids=(), pad_id=0),
                          method='d2sd', gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
                          n_branches=3)
   init, draft, _, _, _ = _stage_programs()
   step = jax.jit(SP.spec_step, static_argnums=(1, 2))
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(bundle, cfg, spec, block, lens, G.row_keys(0, range(3)),
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(bundle, cfg, spec, block, lens, AR.row_keys(0, range(3)),
                SP.cache_size_needed(block.shape[1], spec))
   for c in range(cycles):
     tree = draft(bundle, cfg, spec, state)
@@ -432,7 +432,7 @@ def check_every_verified_node_reachable(tiny, bundle, methods=('dflash_resample'
   """No verified node is a repeat of an earlier sibling's token (sample-and-match could never
   enter it): every valid node of every tree drafted along a generation is reachable."""
   cfg, _ = tiny
-  gen = G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
   runs = [(m, 'exclude') for m in methods] + [(m, 'merge') for m in methods
                                                 if m in ('dflash_dflash', 'd2sd', 'd2sd_pld')]
   for method, redraft in runs:

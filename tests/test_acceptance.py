@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import generate as G
-from d2sd_jax import sampling as S
-from d2sd_jax import speculative as SP
-from d2sd_jax import tree as tree_lib
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.models import sampling as S
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec import tree as tree_lib
 import spec_helpers
-from d2sd_jax import drafting
+from d2sd_jax.spec import drafting
 from spec_helpers import DCFG, DCFG2, PROMPTS, full_last_logits, jitted, run_both
 
 
@@ -168,7 +168,7 @@ def test_leniency_follows_its_formula(lam):
 def test_leniency_in_the_loop(tiny):
   """λ > 0 runs through the whole program; λ = 0 through the same path equals AR greedy."""
   cfg, params = tiny
-  base = dict(generation=G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0), gamma=5)
+  base = dict(generation=AR.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0), gamma=5)
   ar, sp, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(**base, leniency=1e-9))
   assert sp == ar  # a vanishing λ still matches greedy
   _, lenient, state = run_both(cfg, params, PROMPTS, SP.SpecSettings(**base, leniency=0.9))
@@ -337,11 +337,11 @@ CHI2_999 = {d: x for d, x in enumerate([10.8, 10.8, 13.8, 16.3, 18.5, 20.5, 22.5
 
 def sampled_windows(cfg, bundle, spec, prompt, runs, B=256):
   _, init, loop, _ = jitted()
-  block, lens = G.pad_prompts([prompt] * B, 0, bucket=8)
+  block, lens = AR.pad_prompts([prompt] * B, 0, bucket=8)
   counts, accepted, cycles = {}, 0, 0
   n = spec.generation.max_new_tokens
   for run in range(runs):
-    state = init(bundle, cfg, spec, block, lens, G.row_keys(run, range(B)),
+    state = init(bundle, cfg, spec, block, lens, AR.row_keys(run, range(B)),
                  SP.cache_size_needed(block.shape[1], spec))
     state = loop(bundle, cfg, spec, state)
     accepted += int(state.accepted_hist_BxC[:, 1:].sum())
@@ -367,14 +367,14 @@ def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
   when drafts are accepted) follow the target's joint law, for every method."""
   cfg, params = tiny
   n = 4
-  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
+  gen = AR.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
   prompt = WINDOW_PROMPT
   if method in ('pld', 'd2sd_pld'):  # lookup needs a context that repeats: prompt, its greedy
-    greedy = G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0)  # continuation, prompt
+    greedy = AR.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0)  # continuation, prompt
     prompt = prompt + spec_helpers.ar_outputs(cfg, params, [prompt], greedy)[0] + prompt
   law = window_law(cfg, params, prompt, WINDOW_SAMPLING, n)
   if method == 'oracle_tree':
-    greedy = G.GenerationSettings(max_new_tokens=n + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
+    greedy = AR.GenerationSettings(max_new_tokens=n + 2 * DCFG.gamma, eos_ids=(), pad_id=0)
     reference = jnp.asarray(spec_helpers.ar_outputs(cfg, params, [WINDOW_PROMPT] * 256, greedy))
     monkeypatch.setitem(drafting.REGISTRY, method,
                         spec_helpers.oracle_tree(reference, cfg.vocab_size))
@@ -395,7 +395,7 @@ def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
   cfg, params = tiny
   n = 4
   # The drafter proposes the greedy continuation (after the prefill's token) in every cycle.
-  greedy = G.GenerationSettings(max_new_tokens=5, eos_ids=(), pad_id=0)
+  greedy = AR.GenerationSettings(max_new_tokens=5, eos_ids=(), pad_id=0)
   chain = spec_helpers.ar_outputs(cfg, params, [WINDOW_PROMPT], greedy)[0][1:5]
 
   def fixed(params_, cfg_, settings, state):
@@ -405,7 +405,7 @@ def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
     return tree_lib.chain(state.anchor_B, draft, jnp.ones_like(draft, bool))
 
   monkeypatch.setitem(drafting.REGISTRY, 'fixed_chain', drafting.Method(fixed))
-  gen = G.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
+  gen = AR.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=WINDOW_SAMPLING)
   spec = SP.SpecSettings(gen, method='fixed_chain', gamma=len(chain) + 1, leniency=lam)
   law = window_law(cfg, params, WINDOW_PROMPT, WINDOW_SAMPLING, n, chain, lam)
   if lam == 0.0:

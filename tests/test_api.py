@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 import d2sd_jax
-from d2sd_jax import api
+from d2sd_jax.decode import api
 
 import test_training  # pylint: disable=wrong-import-order
 
 
 @pytest.fixture(scope='module')
 def tiny_drafters(tiny_folder, distill_dir, tmp_path_factory):
-  from d2sd_jax import training  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('drafters')
   paths = {}
   for kind in ('drafter1', 'drafter2'):

@@ -4,19 +4,19 @@ the moment they end, and prompts are grouped into cache classes by length."""
 import jax
 import pytest
 
-from d2sd_jax import batching
-from d2sd_jax import generate as G
-from d2sd_jax import sampling as S
+from d2sd_jax.train import batching
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.models import sampling as S
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60], [12], [40, 41, 42, 43], [7, 7, 7, 7, 7, 7, 7, 7, 7, 30],
            [3, 60, 2], [50, 1, 50, 2, 50, 3, 50, 4, 50, 5, 50, 6, 50], [9, 8]]
-run = jax.jit(G.generate, static_argnums=(1, 2, 6))
+run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
 
 
 def alone(cfg, params, settings, prompt, row, seed=0):
   """Plain AR decoding of one prompt in a batch of its own (generate.generate)."""
-  block, lens = G.pad_prompts([prompt], settings.pad_id, bucket=16)
-  state = run(params, cfg, settings, block, lens, G.row_keys(seed, [row]),
+  block, lens = AR.pad_prompts([prompt], settings.pad_id, bucket=16)
+  state = run(params, cfg, settings, block, lens, AR.row_keys(seed, [row]),
               block.shape[1] + settings.max_new_tokens)
   return state.out_BxN[0, :state.num_out_B[0]].tolist()
 
@@ -39,8 +39,8 @@ def ideal_steps(lengths, batch_size):
 
 def test_outputs_equal_ar_alone_with_eos_and_refills(tiny):
   cfg, params = tiny
-  free = alone(cfg, params, G.GenerationSettings(12, (), 0), PROMPTS[0], 0)
-  settings = G.GenerationSettings(max_new_tokens=12, eos_ids=(free[3],), pad_id=0)
+  free = alone(cfg, params, AR.GenerationSettings(12, (), 0), PROMPTS[0], 0)
+  settings = AR.GenerationSettings(max_new_tokens=12, eos_ids=(free[3],), pad_id=0)
   expected = [alone(cfg, params, settings, p, i) for i, p in enumerate(PROMPTS)]
   lengths = [len(e) for e in expected]
   # The check is only as good as its data: rows end at different times, some at the EOS.
@@ -48,7 +48,7 @@ def test_outputs_equal_ar_alone_with_eos_and_refills(tiny):
   engine = batching.Engine(params, cfg, batching.BatchSettings(
       settings, batch_size=4, cache_size=32, prompt_bucket=16, min_tail_batch=1))
   done = []
-  got = engine.generate(PROMPTS, on_done=lambda i, toks: done.append((i, toks)))
+  got = engine.complete(PROMPTS, on_done=lambda i, toks: done.append((i, toks)))
   assert got == expected
   assert sorted(done) == sorted(enumerate(expected))
   # A row is refilled as soon as it ends: exactly the steps of that schedule, no idle steps;
@@ -59,27 +59,27 @@ def test_outputs_equal_ar_alone_with_eos_and_refills(tiny):
   # The programs are reused: another order (other rows, other neighbours) gives the same
   # outputs and compiles nothing.
   compiled = engine.compile_s
-  assert engine.generate(PROMPTS[::-1]) == expected[::-1]
+  assert engine.complete(PROMPTS[::-1]) == expected[::-1]
   assert engine.compile_s == compiled
 
 
 def test_sampled_rows_follow_their_prompt_keys(tiny):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=9, eos_ids=(3,), pad_id=0,
+  settings = AR.GenerationSettings(max_new_tokens=9, eos_ids=(3,), pad_id=0,
                                   sampling=S.SamplingSettings(temperature=1.5))
   rows = [11, 4, 7, 0, 2, 9, 5]
   engine = batching.Engine(params, cfg, batching.BatchSettings(settings, batch_size=2,
                                                                cache_size=32, prompt_bucket=16))
-  got = engine.generate(PROMPTS, row_ids=rows, seed=3)
+  got = engine.complete(PROMPTS, row_ids=rows, seed=3)
   assert got == [alone(cfg, params, settings, p, r, seed=3) for p, r in zip(PROMPTS, rows)]
 
 
 def test_prompt_over_the_cache_is_refused(tiny):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
+  settings = AR.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
   engine = batching.Engine(params, cfg, batching.BatchSettings(settings, 2, cache_size=32))
   with pytest.raises(ValueError, match='prompt 1 has 13 tokens.*cache_size=32'):
-    engine.generate([[1], [2] * 13])
+    engine.complete([[1], [2] * 13])
 
 
 def test_cache_classes():

@@ -1,11 +1,11 @@
 """bfloat16 end to end on the real target: shipped drafters load for a bfloat16 target (the
 fingerprint does not depend on dtype) and draft in bfloat16, and greedy D²SD reproduces bfloat16
-AR token for token (see Precision in d2sd_jax/model.py)."""
+AR token for token (see Precision in d2sd_jax/models/target.py)."""
 import jax.numpy as jnp
 
 import d2sd_jax
-from d2sd_jax import checkpoints
-from d2sd_jax import loaders
+from d2sd_jax.formats import checkpoints
+from d2sd_jax.formats import loaders
 
 # Not from the training data (stdlib docstrings, HumanEval excluded): a chat request, code to
 # continue, and prose. With bfloat16 activations (the previous numerics) greedy D²SD left

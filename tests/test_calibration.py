@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax import calibration as C
+from d2sd_jax.train import calibration as C
 
 
 def test_bins_hold_the_softmax_maximum():

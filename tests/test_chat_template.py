@@ -13,7 +13,7 @@ import pytest
 import tokenizers
 from tokenizers import models
 
-from d2sd_jax import tokenizer as tokenizer_lib
+from d2sd_jax.formats import tokenizer as tokenizer_lib
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'chat_templates.json')
 

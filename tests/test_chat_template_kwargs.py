@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 import d2sd_jax
-from d2sd_jax import decoding
-from d2sd_jax import tokenizer as tokenizer_lib
+from d2sd_jax.decode import generate as generate_lib
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.formats import tokenizer as tokenizer_lib
 
 
 @pytest.fixture
@@ -51,10 +52,10 @@ def test_config_kwargs_reach_the_prompt(thinking_folder, rendered):
   config = decode_config()
   config.update(target=thinking_folder, method='ar', drafter1='', drafter2='', prompt='hi',
                 max_new_tokens=2, chat_template_kwargs='{"enable_thinking": false}')
-  decoding.run(config, out=io.StringIO())
+  generate_lib.run(config, out=io.StringIO())
   assert rendered == ['[user] hi[assistant] [no-think] ']
   config.chat_template_kwargs = ''  # the default: the template's own default
-  decoding.run(config, out=io.StringIO())
+  generate_lib.run(config, out=io.StringIO())
   assert rendered[1] == '[user] hi[assistant] '
 
 
@@ -73,7 +74,7 @@ def test_api_kwargs_reach_the_prompt(thinking_folder, rendered):
     ({'enable_thinking': False}, {'enable_thinking': False}),
 ])
 def test_config_kwargs_parse(value, expected):
-  assert decoding.parse_chat_template_kwargs(value) == expected
+  assert options_lib.parse_chat_template_kwargs(value) == expected
 
 
 @pytest.mark.parametrize('value,match', [
@@ -82,4 +83,4 @@ def test_config_kwargs_parse(value, expected):
 ])
 def test_bad_config_kwargs_are_explained(value, match):
   with pytest.raises(ValueError, match=match):
-    decoding.parse_chat_template_kwargs(value)
+    options_lib.parse_chat_template_kwargs(value)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax import corpus
-from d2sd_jax import model as M
+from d2sd_jax.train import corpus
+from d2sd_jax.models import target as M
 from spec_helpers import full_last_logits
 
 KEPT = ['pkg/mod.py', 'pkg/numpy_helpers.py', 'pkg/README.md', 'pkg/docs/guide.rst',

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import corpus
-from d2sd_jax import data as data_lib
-from d2sd_jax import drafter as drafter_lib
-from d2sd_jax import loaders
-from d2sd_jax import losses
-from d2sd_jax import model as M
-from d2sd_jax import training
+from d2sd_jax.train import corpus
+from d2sd_jax.train import data as data_lib
+from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.formats import loaders
+from d2sd_jax.train import losses
+from d2sd_jax.models import target as M
+from d2sd_jax.train import training
 from test_training import tiny_config  # pylint: disable=wrong-import-order
 
 L = 24  # tiny_config's data.seq_len
@@ -58,11 +58,11 @@ def test_corpus_labels_are_the_target_prediction_for_each_position(tiny_target, 
 
 def test_corpus_errors_name_the_problem(tiny_target, corpus_dir, tmp_path):
   with pytest.raises(ValueError, match=r'windows of 24 tokens but data.seq_len=32: rebuild it '
-                     r'with python -m d2sd_jax.corpus --seq_len 32'):
+                     r'with python -m d2sd_jax.train.corpus --seq_len 32'):
     data_lib.CorpusWindows(corpus_dir, 32)
   with pytest.raises(ValueError, match='outside the target\'s vocabulary of 50'):
     data_lib.CorpusWindows(corpus_dir, L, vocab_size=50)
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.corpus --out'):
+  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.corpus --out'):
     data_lib.CorpusWindows(str(tmp_path), L)
   broken = tmp_path / 'broken'
   broken.mkdir()

@@ -7,14 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-from d2sd_jax import autoconfig
-from d2sd_jax import costmodel
-from d2sd_jax import decoding
-from d2sd_jax import drafter as D
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
-from d2sd_jax import speculative as SP
-from d2sd_jax import throughput
+from d2sd_jax.decode import autoconfig
+from d2sd_jax.perf import costmodel
+from d2sd_jax.decode import generate as generate_lib
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.decode import runner as runner_lib
+from d2sd_jax.models import drafter as D
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.perf import throughput
 
 # ----------------------------------------------------------------------------------------------
 # Throughput formulas against brute force
@@ -81,7 +83,7 @@ def cost_cache(tmp_path, monkeypatch):
 def test_measured_costs_are_cached_and_interpolated(tiny, cost_cache, monkeypatch):
   cfg, params = tiny
   bundle = {'target': params, 'drafter1': D.init_params(TDCFG, cfg, jax.random.PRNGKey(1))}
-  gen = G.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0)
   specs = [SP.SpecSettings(gen, method='dflash', gamma=4, drafter1=TDCFG),
            SP.SpecSettings(gen, method='pld', gamma=4)]
   costs = costmodel.measure(bundle, cfg, specs, context=24, sizes=(2, 8), repeats=2,
@@ -122,8 +124,8 @@ def test_roofline_prediction_at_qwen3_8b_shapes():
 def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folder, cost_cache,
                                                                       auto_choices, monkeypatch):
   probed = []  # the prompts each probe decode got
-  real_decode = decoding.decode_prompts
-  monkeypatch.setattr(decoding, 'decode_prompts',
+  real_decode = runner_lib.decode_prompts
+  monkeypatch.setattr(runner_lib, 'decode_prompts',
                       lambda runner, tok, ids, *a: probed.append(len(ids)) or
                       real_decode(runner, tok, ids, *a))
   target = loaders.load_target(tiny_folder)
@@ -132,10 +134,10 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   drafters = {'drafter1': (dcfg, D.init_params(dcfg, cfg, jax.random.PRNGKey(1))),
               'drafter2': (dcfg, D.init_params(dcfg, cfg, jax.random.PRNGKey(2)))}
   prompts = ['abcabcabcabc', 'hello hello hello']
-  base = decoding.Options(method='ar', max_new_tokens=10, chat=False)
-  ar, _ = decoding.generate(target, drafters, prompts, base)
+  base = options_lib.Options(method='ar', max_new_tokens=10, chat=False)
+  ar, _ = generate_lib.generate(target, drafters, prompts, base)
   probed.clear()
-  auto, stats = decoding.generate(target, drafters, prompts,
+  auto, stats = generate_lib.generate(target, drafters, prompts,
                                   dataclasses.replace(base, method='auto'))
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
   table = stats['auto_candidates']
@@ -158,7 +160,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   remembered = list(auto_choices.iterdir())
   assert [str(p) for p in remembered] == [stats['auto_file']]
   probed.clear()
-  again, stats2 = decoding.generate(target, drafters, prompts,
+  again, stats2 = generate_lib.generate(target, drafters, prompts,
                                     dataclasses.replace(base, method='auto'))
   assert probed == [2] and stats2['auto_source'] == 'remembered'
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
@@ -169,7 +171,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   other = next(k for k in table if table[k]['method'] != stats['method'])
   remembered[0].write_text(json.dumps(dict(record, auto_choice=other)))
   probed.clear()
-  edited, stats3 = decoding.generate(target, drafters, prompts,
+  edited, stats3 = generate_lib.generate(target, drafters, prompts,
                                      dataclasses.replace(base, method='auto'))
   assert probed == [2] and stats3['method'] == table[other]['method']
   assert [r['completion_ids'] for r in edited] == [r['completion_ids'] for r in ar]
@@ -180,7 +182,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 10)
   every = autoconfig.candidates
   monkeypatch.setattr(autoconfig, 'candidates', lambda d: every(d)[:3])
-  _, stats4 = decoding.generate(target, drafters, prompts,
+  _, stats4 = generate_lib.generate(target, drafters, prompts,
                                 dataclasses.replace(base, method='auto', auto_refresh=True))
   assert stats4['auto_source'] == 'probed' and len(probed) == 2 * 3 + 1
   assert check_cycle_sources(stats4['auto_candidates'], cost_cache) == {'ar', 'pld(gamma=4)',
@@ -207,10 +209,10 @@ def test_auto_on_prompts_of_different_lengths_equals_ar(tiny_folder, cost_cache,
                                                                 'd2sd(K=1)')])
   prompts = ['short one', 'a much longer prompt, ' * 4, 'in between: ' * 3, 'x']
   lens = [len(target.tokenizer.encode_prompt(p, False)) for p in prompts]
-  assert lens[0] <= decoding.PROMPT_BUCKET < lens[1]  # the first probe prompt is narrower
-  base = decoding.Options(method='ar', max_new_tokens=10, chat=False, batch_size=batch_size)
-  ar, _ = decoding.generate(target, drafters, prompts, base)
-  auto, stats = decoding.generate(target, drafters, prompts,
+  assert lens[0] <= runner_lib.PROMPT_BUCKET < lens[1]  # the first probe prompt is narrower
+  base = options_lib.Options(method='ar', max_new_tokens=10, chat=False, batch_size=batch_size)
+  ar, _ = generate_lib.generate(target, drafters, prompts, base)
+  auto, stats = generate_lib.generate(target, drafters, prompts,
                                   dataclasses.replace(base, method='auto'))
   assert stats['auto_source'] == 'probed' and len(stats['auto_candidates']) == 3
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
@@ -235,7 +237,7 @@ def test_remembered_key_separates_what_the_ranking_depends_on(tiny_folder):
   dcfg = dataclasses.replace(TDCFG, gamma=4)
   d1 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))
   d2 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(2)))
-  base = decoding.Options(method='auto', max_new_tokens=10, chat=False)
+  base = options_lib.Options(method='auto', max_new_tokens=10, chat=False)
   key = lambda drafters=None, batch=1, longest=12, **o: autoconfig.remembered_key(  # noqa: E731
       target, {'drafter1': d1, 'drafter2': d2} if drafters is None else drafters,
       dataclasses.replace(base, **o), batch, longest)

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from d2sd_jax import data
-from d2sd_jax import grain_data
-from d2sd_jax import loaders
-from d2sd_jax import tfds_data
-from d2sd_jax import training
+from d2sd_jax.train import data
+from d2sd_jax.train import records
+from d2sd_jax.train import grain_data
+from d2sd_jax.formats import loaders
+from d2sd_jax.train import tfds_data
+from d2sd_jax.train import training
 from test_training import tiny_config  # pylint: disable=wrong-import-order
 
 ALPHABET = 'abcdefghijklmnopqrstuvwxyz'
@@ -81,7 +82,7 @@ def test_grain_batches_are_the_global_batches_split_by_process(distill_dir, proc
   """Each process's grain batches, put side by side, are the global batches of the pure
   (seed, step) rule over several epochs: the same batches as before grain on one host, and
   each process reads only its own rows."""
-  d = data.SequenceData(data.ShardsSource(distill_dir), 24, 0, 0.2)
+  d = data.SequenceData(records.ShardsSource(distill_dir), 24, 0, 0.2)
   B, per, steps = 6, 6 // processes, 9  # 9 steps of 6 windows: 3+ epochs of the 16 windows
   parts = [grain_data.batches(d, 'train', B, 5, slice(p * per, (p + 1) * per), steps)
            for p in range(processes)]
@@ -177,7 +178,7 @@ def test_text_and_conversation_windows(tmp_path, target):
   assert labels[:min(24, len(text[int(d.records['train'][0])][1]))].all()
   assert d.size('train') + d.size('eval') == 30 and d.size('eval') > 0
 
-  chats = data.ConversationsSource(write_conversations(tmp_path / 'c.jsonl'), tok)
+  chats = records.ConversationsSource(write_conversations(tmp_path / 'c.jsonl'), tok)
   ids, _ = chats.index()
   assert ids[:3] == ['m0:0', ids[1], ids[1][:-1] + '1'] and len(ids) == 21
   prompt, response = chats[2]  # turn 1 of the first ShareGPT conversation
@@ -192,7 +193,7 @@ def test_any_prepared_tfds_dataset_reads_without_its_code(tmp_path):
   """A dataset prepared elsewhere is read from its files by name: no builder class needed
   (a fresh process that never defines TinyText)."""
   data_dir = prepare_text(str(tmp_path / 'text'))
-  code = ('from d2sd_jax import tfds_data; '
+  code = ('from d2sd_jax.train import tfds_data; '
           f's = tfds_data.TfdsSource({data_dir!r}, "tiny_text", "train", "body"); '
           'print(len(s), s.text_field)')
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
@@ -200,7 +201,7 @@ def test_any_prepared_tfds_dataset_reads_without_its_code(tmp_path):
 
 
 def test_token_counts_bounded_sample(distill_dir):
-  d = data.SequenceData(data.ShardsSource(distill_dir), 24, 0, 0.2)
+  d = data.SequenceData(records.ShardsSource(distill_dir), 24, 0, 0.2)
   tokens, labels = d.arrays('train')
   full = d.token_counts(96, 0)
   np.testing.assert_array_equal(full[0], np.bincount(tokens[labels], minlength=96))
@@ -233,7 +234,7 @@ GOOD = {'id': 'a', 'style': 's', 'prompt': 'p', 'chat': False, 'source': 'x',
 def test_malformed_shard_line_names_file_and_line(tmp_path, line, message):
   folder = write_shard(tmp_path / 'd', [GOOD, '', line])
   with pytest.raises(ValueError, match=f'shard-00000.jsonl.gz:3: .*{message}'):
-    data.ShardsSource(folder, 96).index()
+    records.ShardsSource(folder, 96).index()
 
 
 def test_malformed_records_stop_training_before_it_starts(tiny_folder, tmp_path):
@@ -246,7 +247,7 @@ def test_malformed_records_stop_training_before_it_starts(tiny_folder, tmp_path)
   (tmp_path / 'e').mkdir()
   (tmp_path / 'e' / 'shard-00000.jsonl.gz').write_bytes(b'\x1f\x8b\x08\x00 truncated')
   with pytest.raises(ValueError, match='corrupt distillation shard .*shard-00000'):
-    data.ShardsSource(str(tmp_path / 'e')).index()
+    records.ShardsSource(str(tmp_path / 'e')).index()
 
 
 def test_tfds_errors_name_the_record(tmp_path, target):
@@ -283,4 +284,4 @@ def test_malformed_conversation_line_names_file_and_line(tmp_path, target, line,
   good = {'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}
   path.write_text(json.dumps(good) + '\n\n' + line + '\n')
   with pytest.raises(ValueError, match=f'chats.jsonl:3: .*{message}'):
-    data.ConversationsSource(str(path), target.tokenizer).index()
+    records.ConversationsSource(str(path), target.tokenizer).index()

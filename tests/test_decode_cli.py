@@ -9,10 +9,12 @@ import sys
 import pytest
 
 from d2sd_jax import config_check
-from d2sd_jax import decoding
-from d2sd_jax import drafting
-from d2sd_jax import loaders
-from d2sd_jax import speculative
+from d2sd_jax.decode import generate as generate_lib
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.spec import drafting
+from d2sd_jax.formats import loaders
+from d2sd_jax.spec import speculative
+from d2sd_jax.formats.drafters import load_drafter
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -29,7 +31,7 @@ def config_for(folder, **overrides):
 
 def run(config):
   out = io.StringIO()
-  stats = decoding.run(config, out=out)
+  stats = generate_lib.run(config, out=out)
   lines = out.getvalue().strip().split('\n')
   assert json.loads(lines[-1]) == stats  # the stats are the last line
   return stats, out.getvalue()
@@ -96,7 +98,7 @@ def test_chat_template_is_applied(tiny_folder):
 ])
 def test_bad_input_is_explained(tiny_folder, overrides, error, match):
   with pytest.raises(error, match=match):
-    decoding.run(config_for(tiny_folder, chat=False, **overrides), out=io.StringIO())
+    generate_lib.run(config_for(tiny_folder, chat=False, **overrides), out=io.StringIO())
 
 
 def test_unknown_decode_fields_are_named(tiny_folder):
@@ -105,12 +107,12 @@ def test_unknown_decode_fields_are_named(tiny_folder):
   c.temprature = 0.7
   with pytest.raises(ValueError, match=r'unknown decode config field\(s\): temprature \(did you '
                                        r'mean temperature\?\)'):
-    decoding.run(c, out=io.StringIO())
+    generate_lib.run(c, out=io.StringIO())
   c = config_for(tiny_folder)
   c.mesh.unlock()
   c.mesh.tensor = 2
   with pytest.raises(ValueError, match=r'mesh.tensor'):
-    decoding.run(c, out=io.StringIO())
+    generate_lib.run(c, out=io.StringIO())
 
 
 @pytest.mark.parametrize('flags,message', [
@@ -138,18 +140,18 @@ def test_prompt_and_prompts_file(tmp_path):
   prompts_file = tmp_path / 'p.jsonl'
   prompts_file.write_text('{"prompt": "from the file"}\n')
   config = smollm2_config.get_config()
-  assert decoding.read_prompts(config) == [decoding.DEMO_PROMPT]
+  assert options_lib.read_prompts(config) == [options_lib.DEMO_PROMPT]
   config.prompts_file = str(prompts_file)
-  decoding.validate(config)
-  assert decoding.read_prompts(config) == ['from the file']
+  options_lib.validate(config)
+  assert options_lib.read_prompts(config) == ['from the file']
   config.prompt = 'typed'
   with pytest.raises(ValueError, match='not both'):
-    decoding.validate(config)
+    options_lib.validate(config)
 
 
 def test_config_is_the_library_defaults():
   """configs/smollm2.py's `spec` group is exactly SpecSettings' knobs with their defaults, and
-  its other fields equal decoding.Options' defaults (Decoder.generate's): one set of defaults."""
+  its other fields equal options_lib.Options' defaults (Decoder.generate's): one set of defaults."""
   config = smollm2_config.get_config()
   knobs = {f.name: f.default for f in dataclasses.fields(speculative.SpecSettings)
            if f.name in config_check.SPEC_KNOBS}
@@ -157,10 +159,10 @@ def test_config_is_the_library_defaults():
       config_check.NOT_KNOBS)
   assert config.spec.to_dict() == knobs
   assert set(config_check.DECODE_FIELDS['spec']) == set(knobs)
-  for f in dataclasses.fields(decoding.Options):
+  for f in dataclasses.fields(options_lib.Options):
     if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
       assert config[f.name] == f.default, f.name
-  assert decoding.options_from_config(config) == decoding.Options(
+  assert options_lib.options_from_config(config) == options_lib.Options(
       method=config.method, spec=knobs)
 
 
@@ -169,9 +171,9 @@ def test_methods_are_read_from_the_registry_at_call_time(tiny_folder, monkeypatc
   config = config_for(tiny_folder, method='pld_again', prompt='abcabcab', chat=False,
                       max_new_tokens=6, spec={'gamma': 4})
   with pytest.raises(ValueError, match="'pld_again' is not one of"):
-    decoding.validate(config)
+    options_lib.validate(config)
   monkeypatch.setitem(drafting.REGISTRY, 'pld_again', drafting.Method(drafting.pld))
-  assert 'pld_again' in decoding.methods()
+  assert 'pld_again' in options_lib.methods()
   stats, _ = run(config)
   assert stats['method'] == 'pld_again' and stats['cycles'] > 0
 
@@ -191,11 +193,11 @@ def test_bad_prompts_file_lines(tiny_folder, tmp_path):
   bad = tmp_path / 'bad.jsonl'
   bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
   with pytest.raises(ValueError, match='bad.jsonl:2'):
-    decoding.run(config_for(tiny_folder, prompts_file=str(bad)), out=io.StringIO())
+    generate_lib.run(config_for(tiny_folder, prompts_file=str(bad)), out=io.StringIO())
   empty = tmp_path / 'empty.jsonl'
   empty.write_text('{"prompt": ""}\n')
   with pytest.raises(ValueError, match='empty.jsonl:1: an empty user turn'):
-    decoding.run(config_for(tiny_folder, prompts_file=str(empty), chat=False),
+    generate_lib.run(config_for(tiny_folder, prompts_file=str(empty), chat=False),
                  out=io.StringIO())
 
 
@@ -215,7 +217,7 @@ def test_prompts_file_takes_conversations_in_every_format(tiny_folder, tmp_path)
   assert [r['completion_ids'] for r in rows[1:3]] == [rows[0]['completion_ids']] * 2
   assert rows[3]['prompt'][0] == {'role': 'system', 'content': 'Be brief.'}
   with pytest.raises(ValueError, match='needs chat=True'):
-    decoding.run(config_for(tiny_folder, prompts_file=str(path), chat=False), out=io.StringIO())
+    generate_lib.run(config_for(tiny_folder, prompts_file=str(path), chat=False), out=io.StringIO())
 
 
 def test_decode_py_on_smollm2(smollm2, auto_choices):
@@ -224,15 +226,14 @@ def test_decode_py_on_smollm2(smollm2, auto_choices):
   test gives it a remembered choice for exactly this request's key (D²SD with K = 4, which the
   probes would not pick on this CPU): decode.py decodes with that at once, no probe, and the
   completion equals plain AR's."""
-  from d2sd_jax import autoconfig  # pylint: disable=import-outside-toplevel
-  from d2sd_jax import checkpoints  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.decode import autoconfig  # pylint: disable=import-outside-toplevel
   prompt, new_tokens = 'What is the capital of France?', 12
   config = smollm2_config.get_config()
   assert config.method == 'auto'
   config.update(prompt=prompt, max_new_tokens=new_tokens)
-  options = decoding.options_from_config(config)
-  drafters = {n: checkpoints.load_drafter(os.path.join(ROOT, config[n]), smollm2)[:2]
-              for n in decoding.DRAFTERS}
+  options = options_lib.options_from_config(config)
+  drafters = {n: load_drafter(os.path.join(ROOT, config[n]), smollm2)[:2]
+              for n in options_lib.DRAFTERS}
   longest = len(smollm2.tokenizer.encode_prompt(prompt, True, {}))
   key = autoconfig.remembered_key(smollm2, drafters, options, 1, longest)
   table = {label: {'method': m, 'spec': k, 'predicted_tokens_per_s': 1.0}

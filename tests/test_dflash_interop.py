@@ -1,4 +1,4 @@
-"""DFlash interop (d2sd_jax/dflash_format.py) against the reference implementation.
+"""DFlash interop (d2sd_jax/formats/dflash_format.py) against the reference implementation.
 
 tests/fixtures/dflash_tiny/ was written by scripts/make_dflash_fixtures.py with torch and the
 `dflash` 0.1.0 package (z-lab's code): a tiny Qwen3 target, a tiny DFlash drafter trained on
@@ -21,14 +21,16 @@ import numpy as np
 import pytest
 
 import spec_helpers
-from d2sd_jax import checkpoints as ckpt
-from d2sd_jax import decoding
-from d2sd_jax import dflash_format as DF
-from d2sd_jax import drafter as D
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
-from d2sd_jax import model as M
-from d2sd_jax import speculative as SP
+from d2sd_jax.formats import checkpoints as ckpt
+from d2sd_jax.decode import generate as generate_lib
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.formats import dflash_format as DF
+from d2sd_jax.models import drafter as D
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import target as M
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.formats.drafters import load_drafter
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'dflash_tiny')
 DRAFTER_DIR = os.path.join(FIXTURE, 'drafter')
@@ -49,7 +51,7 @@ def ref():
 @pytest.fixture(scope='module')
 def drafter(target):
   """The reference drafter through the path decode.py takes (checkpoints.load_drafter)."""
-  return ckpt.load_drafter(DRAFTER_DIR, target)
+  return load_drafter(DRAFTER_DIR, target)
 
 
 def block_logits(target, dcfg, dparams, ref):
@@ -138,7 +140,7 @@ def test_greedy_dflash_matches_reference_loop(target, drafter, ref):
   dcfg, dparams, _ = drafter
   prompts = [row[row >= 0].tolist() for row in ref['gen_prompts']]
   n_new = int(ref['max_new_tokens'])
-  spec = SP.SpecSettings(generation=G.GenerationSettings(max_new_tokens=n_new, eos_ids=(),
+  spec = SP.SpecSettings(generation=AR.GenerationSettings(max_new_tokens=n_new, eos_ids=(),
                                                          pad_id=0),
                          method='dflash', gamma=dcfg.gamma, drafter1=dcfg)
   bundle = {'target': target.params, 'drafter1': dparams}
@@ -169,7 +171,7 @@ def test_greedy_dflash_matches_reference_loop(target, drafter, ref):
 
 
 def test_decode_path_takes_the_dflash_folder(tmp_path):
-  """decoding.generate (decode.py's and the notebook API's path) with the DFlash folder as
+  """generate_lib.generate (decode.py's and the notebook API's path) with the DFlash folder as
   drafter 1: the same completion as AR, drafts accepted. The target gets a character-level
   tokenizer (ids 0..62 = ' '..'^', EOS 63)."""
   import tokenizers  # pylint: disable=import-outside-toplevel
@@ -182,8 +184,8 @@ def test_decode_path_takes_the_dflash_folder(tmp_path):
   bpe.save(str(folder / 'tokenizer.json'))
   (folder / 'generation_config.json').write_text(json.dumps({'eos_token_id': 63}))
   tgt = loaders.load_target(str(folder))
-  drafters = {'drafter1': ckpt.load_drafter(DRAFTER_DIR, tgt)[:2]}
-  runs = {m: decoding.generate(tgt, drafters, ['HELLO, WORLD'], decoding.Options(
+  drafters = {'drafter1': load_drafter(DRAFTER_DIR, tgt)[:2]}
+  runs = {m: generate_lib.generate(tgt, drafters, ['HELLO, WORLD'], options_lib.Options(
       method=m, max_new_tokens=24, chat=False)) for m in ('ar', 'dflash')}
   assert runs['dflash'][0][0]['completion_ids'] == runs['ar'][0][0]['completion_ids']
   assert runs['dflash'][1]['gamma'] == 6 and runs['dflash'][1]['tau'] > 1
@@ -221,7 +223,7 @@ def test_export_import_round_trip_is_exact(target, tmp_path):
   info = DF.save_folder(dcfg, params, target, str(tmp_path / 'hf'))
   assert info['mask_token_id'] == 17 and info['mask_embed_max_diff'] == 0.0
   assert info['target_layer_ids'] == [-1, 1, 2]  # layer 0 (embeddings) is DFlash's id -1
-  dcfg2, params2, meta = ckpt.load_drafter(str(tmp_path / 'hf'), target)
+  dcfg2, params2, meta = load_drafter(str(tmp_path / 'hf'), target)
   assert dcfg2 == dcfg
   _assert_same_params(params2, params)
   assert meta['target_fingerprint'] == ckpt.target_fingerprint(target)
@@ -245,11 +247,11 @@ def test_sharded_prefixed_and_bfloat16_folders_load(target, drafter, tmp_path):
               metadata={'format': 'pt'})
     weight_map.update({f'model.{n}': file for n in part})
   (folder / 'model.safetensors.index.json').write_text(json.dumps({'weight_map': weight_map}))
-  _assert_same_params(ckpt.load_drafter(str(folder), target)[1], dparams)
+  _assert_same_params(load_drafter(str(folder), target)[1], dparams)
 
   dcfg, params = _our_drafter(target, mask_token=17)
   DF.save_folder(dcfg, params, target, str(tmp_path / 'bf16'), dtype='bfloat16')
-  _, loaded, meta = ckpt.load_drafter(str(tmp_path / 'bf16'), target)
+  _, loaded, meta = load_drafter(str(tmp_path / 'bf16'), target)
   assert meta['param_dtype'] == 'bfloat16'
   rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
   rounded['mask_embed'] = params['mask_embed']  # the target's own row, whatever was stored
@@ -270,7 +272,7 @@ def test_import_export_reproduces_the_reference_folder(target, ref, tmp_path):
       DF.main()
     finally:
       sys.argv = sys_argv
-  _, _, meta = ckpt.load_drafter(orbax_dir, target)  # ours now: tied to the target's fingerprint
+  _, _, meta = load_drafter(orbax_dir, target)  # ours now: tied to the target's fingerprint
   assert meta['target_fingerprint'] == ckpt.target_fingerprint(target)
 
   def tensors(folder):
@@ -295,7 +297,7 @@ def test_import_export_reproduces_the_reference_folder(target, ref, tmp_path):
     assert ours[key] == theirs[key], key
   for key in ('mask_token_id', 'target_layer_ids'):
     assert ours['dflash_config'][key] == theirs['dflash_config'][key], key
-  dcfg, dparams, _ = ckpt.load_drafter(hf_dir, target)
+  dcfg, dparams, _ = load_drafter(hf_dir, target)
   np.testing.assert_allclose(block_logits(target, dcfg, dparams, ref), ref['block_logits'], **TOL)
 
 
@@ -316,7 +318,7 @@ def test_export_refusals_and_their_ways_out(target, tmp_path):
   with pytest.raises(ValueError, match='head_vocab=40'):
     DF.save_folder(sub, sub_params, target, out)
   DF.save_folder(sub, sub_params, target, out, full_head=True)
-  assert ckpt.load_drafter(out, target)[0].head_vocab == 0
+  assert load_drafter(out, target)[0].head_vocab == 0
 
   last, last_params = _our_drafter(target, mask_token=5, feature_layers=(1, 4))
   with pytest.raises(ValueError, match='after the final norm'):
@@ -338,7 +340,7 @@ def _edited_copy(tmp_path, edit):
 
 def test_folder_without_dflash_config_is_refused(target):
   with pytest.raises(ValueError, match='has no dflash_config: .* is not a DFlash drafter'):
-    ckpt.load_drafter(os.path.join(FIXTURE, 'target'), target)
+    load_drafter(os.path.join(FIXTURE, 'target'), target)
 
 
 def test_drafter_for_another_target_is_refused(target, tmp_path):
@@ -346,10 +348,10 @@ def test_drafter_for_another_target_is_refused(target, tmp_path):
   with pytest.raises(ValueError, match=r'vocab_size=64 but the target has 96; hidden_size=32 but '
                      r'the target has 64; num_target_layers=4 but the target has 2: load it with '
                      r'the target it was trained for'):
-    ckpt.load_drafter(DRAFTER_DIR, other)
+    load_drafter(DRAFTER_DIR, other)
   wrong_vocab = _edited_copy(tmp_path, lambda c: c.update(vocab_size=100))
   with pytest.raises(ValueError, match='vocab_size=100 but the target has 64'):
-    ckpt.load_drafter(wrong_vocab, target)
+    load_drafter(wrong_vocab, target)
 
 
 def test_exported_folder_is_tied_to_its_target(target, tmp_path):
@@ -358,7 +360,7 @@ def test_exported_folder_is_tied_to_its_target(target, tmp_path):
   twin = dataclasses.replace(target, fingerprint=None, params={
       **target.params, 'final_norm': target.params['final_norm'] * 1.5})
   with pytest.raises(ValueError, match="exported for target 'tiny-qwen3'.*fingerprint"):
-    ckpt.load_drafter(str(tmp_path / 'hf'), twin)
+    load_drafter(str(tmp_path / 'hf'), twin)
 
 
 @pytest.mark.parametrize('edit, message', [
@@ -370,13 +372,13 @@ def test_exported_folder_is_tied_to_its_target(target, tmp_path):
 ])
 def test_unsupported_dflash_configs_are_refused(target, tmp_path, edit, message):
   with pytest.raises(ValueError, match=message):
-    ckpt.load_drafter(_edited_copy(tmp_path, edit), target)
+    load_drafter(_edited_copy(tmp_path, edit), target)
 
 
 def test_output_multiplier_folds_into_the_final_norm(target, drafter, tmp_path):
   dcfg, dparams, _ = drafter
   folder = _edited_copy(tmp_path, lambda c: c['dflash_config'].update(output_multiplier=2.0))
-  _, scaled, _ = ckpt.load_drafter(folder, target)
+  _, scaled, _ = load_drafter(folder, target)
   tokens = jnp.asarray([[3, 7, 9, 11, 2, 5]])
   args = (tokens, tokens < 0, jnp.arange(6)[None], D.init_context_cache(dcfg, 1, 4),
           jnp.zeros((1, 4), bool), jnp.ones((1, 6, 6), bool))

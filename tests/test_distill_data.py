@@ -10,11 +10,11 @@ import sys
 import jax
 import pytest
 
-from d2sd_jax import batching
-from d2sd_jax import conversations
-from d2sd_jax import distill
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
+from d2sd_jax.train import batching
+from d2sd_jax.formats import conversations
+from d2sd_jax.train import distill
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
 
 LINES = [
     {'prompt': 'Sort a list.'},
@@ -29,7 +29,7 @@ LINES = [
 ]
 
 
-_generate = jax.jit(G.generate, static_argnums=(1, 2, 6))
+_generate = jax.jit(AR.decode, static_argnums=(1, 2, 6))
 
 
 def write_jsonl(path, lines):
@@ -89,7 +89,7 @@ def test_not_utf8_and_missing_and_empty_files(tmp_path):
 @pytest.fixture(scope='module')
 def tiny_target(tiny_folder):
   target = loaders.load_target(tiny_folder)
-  settings = G.GenerationSettings(max_new_tokens=6, eos_ids=target.tokenizer.eos_ids,
+  settings = AR.GenerationSettings(max_new_tokens=6, eos_ids=target.tokenizer.eos_ids,
                                   pad_id=target.tokenizer.pad_id)
   return target, batching.Generator(target.params, target.cfg, settings, batch_size=2,
                                     length_bounds=(100,), prompt_bucket=128)
@@ -103,9 +103,9 @@ def read_shard(path):
 def ar_alone(target, ids):
   """Greedy AR of one prompt in a batch of its own (generate.generate)."""
   tok = target.tokenizer
-  block, lens = G.pad_prompts([ids], tok.pad_id, bucket=128)
-  settings = G.GenerationSettings(6, tok.eos_ids, tok.pad_id)
-  state = _generate(target.params, target.cfg, settings, block, lens, G.row_keys(0, [0]),
+  block, lens = AR.pad_prompts([ids], tok.pad_id, bucket=128)
+  settings = AR.GenerationSettings(6, tok.eos_ids, tok.pad_id)
+  state = _generate(target.params, target.cfg, settings, block, lens, AR.row_keys(0, [0]),
                     block.shape[1] + 6)
   return state.out_BxN[0, :state.num_out_B[0]].tolist()
 
@@ -208,7 +208,7 @@ def test_distill_on_a_model_parallel_mesh_gives_the_same_responses(tiny_folder, 
   responses = {}
   for name, extra in (('one', []), ('mesh', ['--mesh_model', '2'])):
     out = str(tmp_path / name)
-    subprocess.run([sys.executable, '-m', 'd2sd_jax.distill', '--out', out, '--prompts', prompts,
+    subprocess.run([sys.executable, '-m', 'd2sd_jax.train.distill', '--out', out, '--prompts', prompts,
                     '--target', tiny_folder, '--max_new_tokens', '6', '--max_prompt_tokens',
                     '100', '--length_bounds', '100', '--batch_size', '2', '--prompt_bucket',
                     '128', '--shard_size', '4', *extra], check=True, capture_output=True,

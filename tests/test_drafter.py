@@ -7,9 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from d2sd_jax import drafter as D
-from d2sd_jax import losses
-from d2sd_jax import model as M
+from d2sd_jax.models import drafter as D
+from d2sd_jax.train import losses
+from d2sd_jax.models import target as M
 
 DCFG = D.DrafterConfig(gamma=4, n_layers=2, d_model=24, n_heads=4, n_kv_heads=2, head_dim=6,
                        d_ff=40, feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import generate as G
-from d2sd_jax import sampling as S
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.models import sampling as S
 from spec_helpers import full_last_logits
 
-run = jax.jit(G.generate, static_argnums=(1, 2, 6))
+run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
 
 
 def reference_greedy(cfg, params, prompt, n, eos_ids=()):
@@ -25,8 +25,8 @@ def reference_greedy(cfg, params, prompt, n, eos_ids=()):
 
 
 def generate(cfg, params, prompts, settings, seed=0, rows=None):
-  block, lens = G.pad_prompts(prompts, settings.pad_id, bucket=8)
-  keys = G.row_keys(seed, range(len(prompts)) if rows is None else rows)
+  block, lens = AR.pad_prompts(prompts, settings.pad_id, bucket=8)
+  keys = AR.row_keys(seed, range(len(prompts)) if rows is None else rows)
   state = run(params, cfg, settings, block, lens, keys, block.shape[1] + settings.max_new_tokens)
   return [state.out_BxN[b, :state.num_out_B[b]].tolist() for b in range(len(prompts))], state
 
@@ -36,7 +36,7 @@ PROMPTS = [[5, 9, 2, 33, 7, 1, 60], [12], [40, 41, 42, 43]]
 
 def test_greedy_matches_full_recomputation(tiny):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0)
+  settings = AR.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0)
   outs, _ = generate(cfg, params, PROMPTS, settings)
   for prompt, out in zip(PROMPTS, outs):
     assert out == reference_greedy(cfg, params, prompt, 10)
@@ -46,7 +46,7 @@ def test_greedy_matches_full_recomputation(tiny):
                                       S.SamplingSettings(temperature=1.3, top_k=20, top_p=0.9)])
 def test_batched_equals_per_prompt(tiny, sampling):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=9, eos_ids=(3,), pad_id=0, sampling=sampling)
+  settings = AR.GenerationSettings(max_new_tokens=9, eos_ids=(3,), pad_id=0, sampling=sampling)
   batched, _ = generate(cfg, params, PROMPTS, settings, seed=7)
   for r, prompt in enumerate(PROMPTS):
     single, _ = generate(cfg, params, [prompt], settings, seed=7, rows=[r])
@@ -57,7 +57,7 @@ def test_eos_stops_each_row_where_ar_does(tiny):
   cfg, params = tiny
   free = reference_greedy(cfg, params, PROMPTS[0], 12)
   eos = free[4]  # make the 5th greedy token an EOS for row 0
-  settings = G.GenerationSettings(max_new_tokens=12, eos_ids=(eos,), pad_id=0)
+  settings = AR.GenerationSettings(max_new_tokens=12, eos_ids=(eos,), pad_id=0)
   outs, state = generate(cfg, params, PROMPTS, settings)
   assert outs[0] == free[:free.index(eos) + 1]
   for prompt, out in zip(PROMPTS, outs):
@@ -69,7 +69,7 @@ def test_eos_stops_each_row_where_ar_does(tiny):
 
 def test_same_seed_same_output_and_seeds_differ(tiny):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0,
+  settings = AR.GenerationSettings(max_new_tokens=12, eos_ids=(), pad_id=0,
                                   sampling=S.SamplingSettings(temperature=8.0))
   a, _ = generate(cfg, params, PROMPTS, settings, seed=1)
   b, _ = generate(cfg, params, PROMPTS, settings, seed=1)
@@ -79,10 +79,10 @@ def test_same_seed_same_output_and_seeds_differ(tiny):
 
 def test_generation_runs_without_host_transfers(tiny):
   cfg, params = tiny
-  settings = G.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0)
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  keys = G.row_keys(0, range(3))
-  compiled = jax.jit(G.generate, static_argnums=(1, 2, 6)).lower(
+  settings = AR.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0)
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  keys = AR.row_keys(0, range(3))
+  compiled = jax.jit(AR.decode, static_argnums=(1, 2, 6)).lower(
       params, cfg, settings, block, lens, keys, 16).compile()
   # The decode loop is an XLA while loop inside the one program, not a Python loop.
   assert 'while' in compiled.as_text()
@@ -154,6 +154,6 @@ def test_invalid_sampling_settings(kwargs, match):
 
 def test_invalid_generation_inputs():
   with pytest.raises(ValueError, match='max_new_tokens'):
-    G.GenerationSettings(max_new_tokens=0, eos_ids=(), pad_id=0)
+    AR.GenerationSettings(max_new_tokens=0, eos_ids=(), pad_id=0)
   with pytest.raises(ValueError, match='empty prompt'):
-    G.pad_prompts([[1, 2], []], pad_id=0)
+    AR.pad_prompts([[1, 2], []], pad_id=0)

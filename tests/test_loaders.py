@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from d2sd_jax import generate as G
-from d2sd_jax import loaders
-from d2sd_jax import model as M
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import target as M
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 HF_TINY = os.path.join(FIXTURES, 'hf_tiny')
@@ -151,11 +151,11 @@ def test_smollm2_logits_match_reference(smollm2):
 def test_smollm2_greedy_matches_reference_batched(smollm2):
   """All reference prompts (plain and chat, different lengths) in one batch, 32 greedy tokens."""
   cases = reference()['generation_cases']
-  prompts, lens = G.pad_prompts([c['prompt_ids'] for c in cases], smollm2.tokenizer.pad_id)
-  settings = G.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=smollm2.tokenizer.pad_id)
-  run = jax.jit(G.generate, static_argnums=(1, 2, 6))
+  prompts, lens = AR.pad_prompts([c['prompt_ids'] for c in cases], smollm2.tokenizer.pad_id)
+  settings = AR.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=smollm2.tokenizer.pad_id)
+  run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
   state = run(smollm2.params, smollm2.cfg, settings, prompts, lens,
-              G.row_keys(0, range(len(cases))), prompts.shape[1] + 32)
+              AR.row_keys(0, range(len(cases))), prompts.shape[1] + 32)
   for b, case in enumerate(cases):
     got, want = state.out_BxN[b].tolist(), case['greedy_ids']
     # Float32 summation order differs between implementations: only a near-tie (top-2 logit

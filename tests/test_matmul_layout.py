@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 import matmul_layout  # pylint: disable=wrong-import-position
 
-from d2sd_jax import model as M  # pylint: disable=wrong-import-position
+from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 
 
 def test_projections_are_the_models_matrices():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import model as M
+from d2sd_jax.models import target as M
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -12,9 +12,9 @@ import types
 import jax
 import pytest
 
-from d2sd_jax import drafting
-from d2sd_jax import speculative as SP
-from d2sd_jax import tree as tree_lib
+from d2sd_jax.spec import drafting
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec import tree as tree_lib
 import spec_helpers as H
 import test_acceptance
 
@@ -46,8 +46,8 @@ MUTATIONS = {
         'oracle_tree'),
     # EOS honoured only when it is the bonus token, not inside the accepted drafts.
     'ignore EOS inside a cycle': (
-        SP, 'is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)',
-        'is_eos_BxC = generate_lib.is_eos(new_BxC, gen.eos_ids) & (j == n_acc)', 'eos'),
+        SP, 'is_eos_BxC = ar.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)',
+        'is_eos_BxC = ar.is_eos(new_BxC, gen.eos_ids) & (j == n_acc)', 'eos'),
     'zero drafter 2': (
         drafting, "return _redrafted(params, cfg, settings, state, 'drafter2')",
         "return _redrafted({**params, 'drafter2': jax.tree.map(jnp.zeros_like, "

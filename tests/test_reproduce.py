@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
 import reproduce  # pylint: disable=wrong-import-position
 
-from d2sd_jax import model as M  # pylint: disable=wrong-import-position
+from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 
 
 def test_pass_at_1_runs_the_tests_in_a_subprocess():

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from d2sd_jax import loaders
-from d2sd_jax import model as M
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import target as M
 
 LLAMA3 = os.path.join(os.path.dirname(__file__), 'fixtures', 'hf_tiny', 'llama3_rope')
 

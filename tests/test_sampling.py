@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import sampling as S
+from d2sd_jax.models import sampling as S
 
 
 @pytest.mark.parametrize('V', [64, 300, 1000, 49152])

@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax import drafter as D
-from d2sd_jax import drafting
-from d2sd_jax import generate as G
-from d2sd_jax import model as M
-from d2sd_jax import sampling as S
-from d2sd_jax import speculative as SP
-from d2sd_jax import tree as tree_lib
+from d2sd_jax.models import drafter as D
+from d2sd_jax.spec import drafting
+from d2sd_jax.spec import ar as AR
+from d2sd_jax.models import target as M
+from d2sd_jax.models import sampling as S
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.formats.drafters import load_drafter
 import spec_helpers as H
 from spec_helpers import DCFG, DCFG2, PROMPTS, jitted, run_both
 
@@ -26,7 +27,7 @@ def trained(tiny):
 @pytest.mark.parametrize('gamma', [2, 5, 8])
 def test_pld_greedy_equals_ar(tiny, gamma):
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=23, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=23, eos_ids=(), pad_id=0),
                          method='pld', gamma=gamma)
   ar, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar
@@ -36,7 +37,7 @@ def test_pld_greedy_equals_ar(tiny, gamma):
 def test_tiny_target_is_not_degenerate(tiny):
   """Its greedy outputs vary, and they depend on the context beyond the last token."""
   cfg, params = tiny
-  gen = G.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=16, eos_ids=(), pad_id=0)
   outs = H.ar_outputs(cfg, params, PROMPTS, gen)
   assert all(len(set(o)) >= 5 for o in outs), outs
   a = H.full_last_logits(cfg, params, jnp.asarray([[3, 9, 12]]))
@@ -52,7 +53,7 @@ def test_eos_inside_accepted_path_stops_where_ar_does(tiny, trained):
 @pytest.mark.parametrize('max_new', [1, 2, 7])
 def test_length_limit_inside_accepted_path(tiny, max_new):
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=max_new, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=max_new, eos_ids=(), pad_id=0),
                          gamma=8)
   ar, sp, _ = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar and all(len(o) == max_new for o in sp)
@@ -81,7 +82,7 @@ def oracle_drafter(reference_BxN, corrupt):
 @pytest.mark.parametrize('corrupt', [False, True])
 def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   cfg, params = tiny
-  gen = G.GenerationSettings(max_new_tokens=25, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=25, eos_ids=(), pad_id=0)
   ar, _, _ = run_both(cfg, params, PROMPTS, SP.SpecSettings(gen, gamma=5))
   reference = jnp.asarray([o + [0] * 8 for o in ar])
   method = 'oracle_wrong' if corrupt else 'oracle'  # distinct static settings -> own program
@@ -99,7 +100,7 @@ def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
 
 def test_batched_equals_per_prompt_and_seeded_sampling(tiny):
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=15, eos_ids=(3,), pad_id=0,
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=15, eos_ids=(3,), pad_id=0,
                                               sampling=S.SamplingSettings(temperature=6.0)),
                          gamma=4)
   _, batched, _ = run_both(cfg, params, PROMPTS, spec, seed=3)
@@ -107,8 +108,8 @@ def test_batched_equals_per_prompt_and_seeded_sampling(tiny):
   assert batched == again
   _, init, loop, _ = jitted()
   for r, prompt in enumerate(PROMPTS):
-    block, lens = G.pad_prompts([prompt], 0, bucket=8)
-    state = init({'target': params}, cfg, spec, block, lens, G.row_keys(3, [r]),
+    block, lens = AR.pad_prompts([prompt], 0, bucket=8)
+    state = init({'target': params}, cfg, spec, block, lens, AR.row_keys(3, [r]),
                  SP.cache_size_needed(block.shape[1], spec))
     state = loop({'target': params}, cfg, spec, state)
     assert SP.generated(state, 15)[0, :state.num_out_B[0]].tolist() == batched[r]
@@ -116,9 +117,9 @@ def test_batched_equals_per_prompt_and_seeded_sampling(tiny):
 
 def test_one_program_without_host_transfers(tiny):
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0), gamma=4)
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  keys = G.row_keys(0, range(3))
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0), gamma=4)
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  keys = AR.row_keys(0, range(3))
   _, init, _, _ = jitted()
   bundle = {'target': params}
   state = init(bundle, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
@@ -139,10 +140,10 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
   with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.json')) as f:
     cases = json.load(f)['generation_cases']
   tok = smollm2.tokenizer
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=tok.pad_id),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=tok.pad_id),
                          gamma=6)
-  block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
-  keys = G.row_keys(0, range(len(cases)))
+  block, lens = AR.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
+  keys = AR.row_keys(0, range(len(cases)))
   _, init, loop, _ = jitted()
   bundle = {'target': smollm2.params}
   state = init(bundle, smollm2.cfg, spec, block, lens, keys,
@@ -167,7 +168,7 @@ def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft)
   D2SD also on drafter 2's branches). The bundle is prepared as decoding.SpecRunner prepares it
   (drafter heads and key/value rows gathered once); the other tests use the plain one."""
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
                          steps=steps, tree_budget=budget, redraft=redraft)
   bundle = SP.prepare(trained, cfg)
@@ -188,11 +189,11 @@ def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatc
   drafters' context: still AR greedy's output (computed over the whole cache, before the
   windows shrink), fresh caches after every cycle, drafts accepted on branches."""
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3)
   reference = H.ar_outputs(cfg, params, PROMPTS, spec.generation)
   monkeypatch.setattr(M, 'MIN_WINDOW', 8)
-  block, _ = G.pad_prompts(PROMPTS, 0, bucket=8)
+  block, _ = AR.pad_prompts(PROMPTS, 0, bucket=8)
   windows = M.context_windows(SP.cache_size_needed(block.shape[1], spec))
   window_of = lambda n: min(w for w in windows if w >= n)
   # the longest row's context starts in one window and ends in a larger one
@@ -229,10 +230,10 @@ def test_drafting_and_acceptance_keys_never_collide(tiny):
   """The drafting stream, every node's acceptance key and the bonus key are distinct, in every
   cycle, and distinct from the keys AR sampling uses for the same row (fold_in(row, n))."""
   cfg, params = tiny
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0), gamma=5)
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0), gamma=5)
   _, init, _, step = jitted()
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  row_keys = G.row_keys(0, range(3))
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  row_keys = AR.row_keys(0, range(3))
   state = init({'target': params}, cfg, spec, block, lens, row_keys,
                SP.cache_size_needed(block.shape[1], spec))
   seen = [set() for _ in range(3)]
@@ -263,12 +264,12 @@ def test_resampled_branch_of_a_certain_drafter_is_dropped_not_nan(tiny, trained,
 
   monkeypatch.setattr(drafting, 'first_draft', certain)
   jax.clear_caches()
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0,
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0,
                                               sampling=S.SamplingSettings(temperature=1.0)),
                          method='dflash_resample', gamma=5, drafter1=DCFG, n_branches=2)
   _, init, _, _ = jitted()
-  block, lens = G.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(trained, cfg, spec, block, lens, G.row_keys(0, range(3)),
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(3)),
                SP.cache_size_needed(block.shape[1], spec))
   tree = jax.jit(SP.draft, static_argnums=(1, 2))(trained, cfg, spec, state)
   assert np.isfinite(np.asarray(tree.q_BxTxV)).all()
@@ -295,7 +296,7 @@ def test_branch_points_and_packing():
 
 
 def test_invalid_spec_settings():
-  gen = G.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0)
+  gen = AR.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0)
   with pytest.raises(ValueError, match='needs drafter2'):
     SP.SpecSettings(gen, method='d2sd', gamma=5, drafter1=DCFG)
   with pytest.raises(ValueError, match='set gamma=5'):
@@ -324,19 +325,18 @@ def test_d2sd_on_smollm2_with_shipped_drafters_equals_reference_greedy(smollm2, 
   (transformers' greedy tokens, float32), one row and three rows of different lengths."""
   import json
   import os
-  from d2sd_jax import checkpoints as ckpt
   with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.json')) as f:
     cases = json.load(f)['generation_cases'][:batch]
   tcfg, tok = smollm2.cfg, smollm2.tokenizer
-  d1cfg, d1, _ = ckpt.load_drafter('drafters/smollm2-drafter1', smollm2)
-  d2cfg, d2, _ = ckpt.load_drafter('drafters/smollm2-drafter2', smollm2)
+  d1cfg, d1, _ = load_drafter('drafters/smollm2-drafter1', smollm2)
+  d2cfg, d2, _ = load_drafter('drafters/smollm2-drafter2', smollm2)
   bundle = {'target': smollm2.params, 'drafter1': d1, 'drafter2': d2}
-  spec = SP.SpecSettings(G.GenerationSettings(max_new_tokens=24, eos_ids=(), pad_id=tok.pad_id),
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=24, eos_ids=(), pad_id=tok.pad_id),
                          method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg, drafter2=d2cfg,
                          n_branches=3, tree_budget=16)
-  block, lens = G.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
+  block, lens = AR.pad_prompts([c['prompt_ids'] for c in cases], tok.pad_id)
   _, init, loop, _ = jitted()
-  state = init(bundle, tcfg, spec, block, lens, G.row_keys(0, range(len(cases))),
+  state = init(bundle, tcfg, spec, block, lens, AR.row_keys(0, range(len(cases))),
                SP.cache_size_needed(block.shape[1], spec))
   state = loop(bundle, tcfg, spec, state)
   out = SP.generated(state, 24)

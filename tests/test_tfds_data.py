@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from d2sd_jax import data
-from d2sd_jax import tfds_data
+from d2sd_jax.train import records as records_lib
+from d2sd_jax.train import tfds_data
 
 
 def _record(shard, i):
@@ -53,7 +53,7 @@ def test_prepare_and_read_back(shards, tmp_path):
   assert all(type(r['chat']) is bool and type(r['id']) is str for r in got)
   assert all(all(type(t) is int for t in r['response_ids']) for r in got)
   # Shard order is kept, so it matches the JSONL reader exactly (same windows, same split).
-  assert got == records == data.read_records(folder)
+  assert got == records == records_lib.read_records(folder)
 
 
 def test_prepare_regenerates(shards, tmp_path):
@@ -71,21 +71,21 @@ def test_prepare_regenerates(shards, tmp_path):
 def test_empty_shards_folder(tmp_path):
   empty = tmp_path / 'nothing'
   empty.mkdir()
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.distill') as e:
+  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.distill') as e:
     tfds_data.prepare(str(empty), str(tmp_path / 'tfds'))
   assert str(empty) in str(e.value)
   assert not (tmp_path / 'tfds').exists()  # failed before creating anything
 
 
 def test_read_unprepared(tmp_path):
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.tfds_data'):
+  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.tfds_data'):
     tfds_data.read_records(str(tmp_path / 'tfds'))
 
 
 def test_no_tensorflow(shards, tmp_path):
   """Preparing and reading must not need TensorFlow (a fresh process: other tests may load it)."""
   folder, _ = shards
-  code = ('import sys; from d2sd_jax import tfds_data as t; '
+  code = ('import sys; from d2sd_jax.train import tfds_data as t; '
           f't.prepare({folder!r}, {str(tmp_path / "tfds")!r}); '
           f'assert len(t.read_records({str(tmp_path / "tfds")!r})) == 10; '
           'print("tensorflow" in sys.modules)')

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from d2sd_jax import training
+from d2sd_jax.train import training
+from d2sd_jax.formats.drafters import load_drafter
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -148,9 +149,9 @@ def test_bfloat16_target_and_compute_keep_float32_master_weights(tiny_folder, di
              if np.issubdtype(x.dtype, np.floating))
   assert runs['bf16']['loss'] == pytest.approx(runs['f32']['loss'], rel=0.05)
   assert runs['bf16']['loss'] != runs['f32']['loss']
-  from d2sd_jax import checkpoints, loaders  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import loaders
   for dtype in ('float32', 'bfloat16'):
-    dcfg, params, _ = checkpoints.load_drafter(str(tmp_path / 'bf16'),
+    dcfg, params, _ = load_drafter(str(tmp_path / 'bf16'),
                                                loaders.load_target(tiny_folder, dtype), dtype)
     assert dcfg.dtype == dtype and params['fc'].dtype == dtype
 
@@ -158,11 +159,13 @@ def test_bfloat16_target_and_compute_keep_float32_master_weights(tiny_folder, di
 def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
   """The drafter head keeps the data's most frequent tokens; drafter 2 can start from drafter 1
   (same architecture required)."""
-  from d2sd_jax import checkpoints, data as data_lib, loaders  # pylint: disable=C0415
+  from d2sd_jax.train import data as data_lib
+  from d2sd_jax.train import records
+  from d2sd_jax.formats import loaders
   d1 = str(tmp_path / 'd1')
   out1 = training.run(tiny_config(tiny_folder, distill_dir, d1, steps=3))
   target = loaders.load_target(tiny_folder)
-  data = data_lib.SequenceData(data_lib.read_records(distill_dir), 24, target.tokenizer.pad_id, 0.2)
+  data = data_lib.SequenceData(records.read_records(distill_dir), 24, target.tokenizer.pad_id, 0.2)
   response, _ = data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id)
   ids = set(np.asarray(out1['params']['head_ids']).tolist())
   assert len(ids) == 48
@@ -173,7 +176,7 @@ def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
   c.init_from = d1
   c.train.lr = 1e-30  # one step at lr ~0: the start is drafter 1 exactly
   out2 = training.run(c)
-  _, p1, _ = checkpoints.load_drafter(d1, target)
+  _, p1, _ = load_drafter(d1, target)
   for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(out2['params'])):
     np.testing.assert_array_equal(x, y)
   c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'd3'), 'drafter2', steps=1)
@@ -229,7 +232,7 @@ def test_crash_mid_save_is_never_loaded(tiny_folder, distill_dir, tmp_path):
 
 
 def test_training_reads_the_tfds_copy(tiny_folder, distill_dir, tmp_path):
-  from d2sd_jax import tfds_data  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import tfds_data  # pylint: disable=import-outside-toplevel
   prepared = tfds_data.prepare(distill_dir, str(tmp_path / 'tfds'))
   c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run'), steps=3)
   c.data.update(source='tfds', tfds_dir=str(tmp_path / 'tfds'), path='/nonexistent')
@@ -248,7 +251,7 @@ def test_bad_training_configs(tiny_folder, distill_dir, tmp_path):
   with pytest.raises(ValueError, match='seq_len'):
     training.run(c)
   c = tiny_config(tiny_folder, str(tmp_path / 'nothing-here'), str(tmp_path))
-  with pytest.raises(FileNotFoundError, match='d2sd_jax.distill'):
+  with pytest.raises(FileNotFoundError, match='d2sd_jax.train.distill'):
     training.run(c)
 
 
@@ -298,18 +301,20 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   """train.py checkpoints (one exported to the shipped bfloat16 form) drive every drafter
   method of decode.py; the completions equal AR's; a drafter for another target is refused."""
   import io
-  from d2sd_jax import checkpoints, decoding, loaders
+  from d2sd_jax.decode import generate as generate_lib
+  from d2sd_jax.formats import checkpoints
+  from d2sd_jax.formats import loaders
   import smollm2 as smollm2_config  # pylint: disable=import-outside-toplevel
   d1, d2 = str(tmp_path / 'd1'), str(tmp_path / 'd2')
   training.run(tiny_config(tiny_folder, distill_dir, d1, 'drafter1', steps=3))
   training.run(tiny_config(tiny_folder, distill_dir, d2, 'drafter2', steps=3))
   target = loaders.load_target(tiny_folder)
   checkpoints.export_drafter(d2, str(tmp_path / 'd2-export'), target)
-  dcfg, params, meta = checkpoints.load_drafter(str(tmp_path / 'd2-export'), target)
+  dcfg, params, meta = load_drafter(str(tmp_path / 'd2-export'), target)
   assert meta['kind'] == 'drafter2' and dcfg.gamma == 4
   assert dcfg.confidence_temperature == meta['confidence_temperature']  # fitted at step 3
   assert dcfg.head_vocab == 48 and params['head_ids'].dtype == np.int32
-  _, trained, _ = checkpoints.load_drafter(d2, target)
+  _, trained, _ = load_drafter(d2, target)
   np.testing.assert_array_equal(params['head_ids'], trained['head_ids'])  # kept exactly
   weights = {k: v for k, v in params.items() if k != 'head_ids'}
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(weights))
@@ -320,7 +325,7 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
                     spec={'gamma': 4, 'n_branches': 2}, drafter1=d1,
                     drafter2=str(tmp_path / 'd2-export'), output=str(tmp_path / 'out.jsonl'))
     c.update({**settings, **overrides})
-    stats = decoding.run(c, out=io.StringIO())
+    stats = generate_lib.run(c, out=io.StringIO())
     return stats, json.loads((tmp_path / 'out.jsonl').read_text())['completion_ids']
 
   _, ar = decode(method='ar')
@@ -336,10 +341,11 @@ def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
 
 
 def test_memory_arithmetic_counts_parameters_exactly(tiny_folder, distill_dir, tmp_path):
-  """d2sd_jax.memory: on a 1x1 mesh the parameter and optimizer bytes are the real ones; the
+  """d2sd_jax.train.memory: on a 1x1 mesh the parameter and optimizer bytes are the real ones; the
   model axis divides what the sharding rules split; micro-batches shrink the activations."""
-  from d2sd_jax import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
-  from d2sd_jax import loaders, memory  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.models import drafter as drafter_lib  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import loaders  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import memory
   c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'run'))
   target = loaders.load_target(tiny_folder)
   one = memory.training_memory(c, target.cfg, 1, 1)
@@ -361,10 +367,11 @@ def test_memory_arithmetic_counts_parameters_exactly(tiny_folder, distill_dir, t
 
 def test_the_readme_pod_recipe_is_valid_and_fits_a_v5e_chip():
   """The README's pod recipe, flag for flag: a valid training config for Qwen3-8B's shapes whose
-  per-chip memory (d2sd_jax.memory, 4x8 mesh) leaves half of a 16 GiB v5e chip free."""
+  per-chip memory (d2sd_jax.train.memory, 4x8 mesh) leaves half of a 16 GiB v5e chip free."""
   import ast  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
-  from d2sd_jax import costmodel, memory  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.perf import costmodel  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import memory
   readme = open(os.path.join(ROOT, 'README.md')).read()
   recipe = readme.split('**The pod recipe**', 1)[1].split('```bash', 1)[1].split('```', 1)[0]
   c = drafter1_config.get_config()

@@ -1,0 +1,114 @@
+"""The one generation path: `generate(target, drafters, prompts, options)`.
+
+decode.py's config (`run`) and the notebook API's keywords (`Decoder.generate`) both become an
+`Options` and go through `generate`, so they share the defaults, the checks, the compiled
+programs and the stats. decode.py prints the completions, then, as its last stdout line, one
+JSON object of stats (timings exclude compilation):
+  method, target, prompts, new_tokens, compile_s, prefill_s, decode_s, decode_tokens_per_s, ..."""
+from __future__ import annotations
+
+import json
+import sys
+
+import ml_collections
+
+from d2sd_jax.decode import autoconfig
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.decode import runner as runner_lib
+from d2sd_jax.decode.options import Options
+from d2sd_jax.formats import loaders
+from d2sd_jax.models import sharding
+from d2sd_jax.formats.drafters import load_drafter
+
+def tokenizer_of(target: loaders.Target):
+  if target.tokenizer is None:
+    raise ValueError(f'target {target.source!r} has no tokenizer (tokenizer.json): a decoder '
+                     'needs one')
+  return target.tokenizer
+
+
+def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], options: Options,
+             runners: dict | None = None) -> tuple[list[dict], dict]:
+  """Completes each prompt: the one path of decode.py and Decoder.generate.
+
+  drafters: {'drafter1': (DrafterConfig, params), ...} (those the method needs, at least);
+  runners: a dict keeping compiled programs across calls (a Decoder's), or None.
+  Returns (one {'prompt', 'completion', 'completion_ids'} per prompt, stats)."""
+  options_lib.check(options, drafters)
+  prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+  if not prompts:
+    raise ValueError('no prompts: give a string or a non-empty list of strings')
+  tok = tokenizer_of(target)
+  prompt_ids = [tok.encode_prompt(p, options.chat, options.chat_template_kwargs)
+                for p in prompts]
+  longest = max(len(p) for p in prompt_ids)
+  limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  batch = options.batch_size or min(len(prompts), options_lib.AUTO_BATCH)
+  auto_stats = {}
+  if options.method == 'auto':
+    # (its progress lines go to stderr: stdout carries the completions and the stats line)
+    options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
+                                            log=lambda line: print(line, file=sys.stderr))
+  settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
+  spec = options_lib.spec_fields(options, drafters)
+  # A runner's decode loop compiles for one batch shape: the batch is part of the key.
+  key = (options.method, settings, runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET), limit,
+         batch, tuple(sorted(spec.items())))
+  runners = {} if runners is None else runners
+  if key not in runners:
+    runners[key] = runner_lib.make_runner(target, settings, options.method, longest, limit,
+                                          drafters, **spec)
+  runner = runners[key]
+  compiled_before = runner.compile_s
+  ids, st = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed)
+  completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
+                  'completion_ids': row} for p, row in zip(prompts, ids)]
+  new_tokens = sum(len(row) for row in ids)
+  decode_tokens = new_tokens - len(prompts)  # each row's first token comes from the prefill
+  decode_s, decode_steps = st['decode_s'], st['decode_steps']
+  stats = {
+      'method': options.method, 'prompts': len(prompts), 'batch_size': batch,
+      'new_tokens': new_tokens, 'compile_s': round(runner.compile_s - compiled_before, 3),
+      'prefill_s': round(st['prefill_s'], 4), 'decode_s': round(decode_s, 4),
+      'decode_tokens_per_s': round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+      'decode_steps': decode_steps,
+      'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
+  }
+  if options.method != 'ar':
+    # tau: tokens committed per verification cycle, bonus included (AR would be 1).
+    cycles = st['cycles']
+    stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
+                 tau=round(decode_tokens / cycles, 3) if cycles else None,
+                 accepted_histogram=[int(h) for h in st['hist']])
+    if options.stage_times:  # three more programs to compile: only on request
+      stats['stage_ms'] = runner.stage_times(*st['first_batch'])
+  stats.update(auto_stats)
+  return completions, stats
+
+
+def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
+  """decode.py: checks, loads the target and the method's drafters, generates, reports."""
+  options = options_lib.validate(config)
+  prompts = options_lib.read_prompts(config)
+  sharding.maybe_initialize_distributed(config.get('distributed', False))
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
+  split = mesh is not None and mesh.size > 1  # tensor parallel: weights split over 'model'
+  target = loaders.load_target(config.target, config.dtype, mesh if split else None)
+  tokenizer_of(target)
+  drafters = {}
+  wanted = ([n for n in options_lib.DRAFTERS if config.get(n)] if options.method == 'auto' else
+            options_lib.drafters_needed(options.method))
+  for name in wanted:
+    dcfg, dparams, _ = load_drafter(config[name], target, config.dtype,
+                                         mesh if split else None)
+    drafters[name] = (dcfg, dparams)
+  completions, stats = generate(target, drafters, prompts, options)
+  for i, row in enumerate(completions):
+    print(f'=== [{i}] {row["prompt"]!r}\n{row["completion"]}', file=out)
+  if config.output:
+    with open(config.output, 'w') as f:
+      for row in completions:
+        f.write(json.dumps(row) + '\n')
+  stats = {'method': stats['method'], 'target': config.target, **stats}
+  print(json.dumps(stats), file=out)
+  return stats

@@ -1,0 +1,178 @@
+"""Runners: a method's prefill and decode loop, compiled once per shape and timed apart, and
+the batching of a request's prompts through them."""
+from __future__ import annotations
+
+import time
+
+import jax
+
+from d2sd_jax.decode import options as options_lib
+from d2sd_jax.spec import ar
+from d2sd_jax.spec import speculative as SP
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
+
+CACHE_BUCKET = 64
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+class Runner:
+  """Compiles a method's prefill and decode loop once per shape and times them apart.
+
+  `prefill(params, prompts, lens, keys) -> state` and `loop(params, state) -> state` are the
+  method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the results.
+  """
+
+  def __init__(self, params, cfg, prefill_fn, loop_fn, static, cache_size: int):
+    self.params, self.cfg, self.cache_size = params, cfg, cache_size
+    self._prefill_fn, self._loop_fn, self._static = prefill_fn, loop_fn, static
+    self.compile_s = 0.0
+    self._prefill, self._loop = {}, {}  # compiled programs by prompt block shape
+
+  def _compiled_prefill(self, prompts, lens, keys):
+    if prompts.shape not in self._prefill:
+      t = time.perf_counter()
+      fn = jax.jit(self._prefill_fn, static_argnums=(1, 2, 6))
+      self._prefill[prompts.shape] = fn.lower(self.params, self.cfg, self._static, prompts, lens,
+                                              keys, self.cache_size).compile()
+      self.compile_s += time.perf_counter() - t
+    return self._prefill[prompts.shape]
+
+  def _compiled_loop(self, state, shape):
+    if shape not in self._loop:
+      t = time.perf_counter()
+      fn = jax.jit(self._loop_fn, static_argnums=(1, 2), donate_argnums=(3,))
+      self._loop[shape] = fn.lower(self.params, self.cfg, self._static, state).compile()
+      self.compile_s += time.perf_counter() - t
+    return self._loop[shape]
+
+  def __call__(self, prompts_BxP, lens_B, keys_B):
+    prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(prefill(self.params, prompts_BxP, lens_B, keys_B))
+    t1 = time.perf_counter()
+    loop = self._compiled_loop(state, prompts_BxP.shape)
+    t1b = time.perf_counter()  # compilation is not decode time
+    state = jax.block_until_ready(loop(self.params, state))
+    return state, t1 - t0, time.perf_counter() - t1b
+
+
+class ARRunner(Runner):
+
+  def __init__(self, target, settings: ar.GenerationSettings, cache_size: int):
+    super().__init__(target.params, target.cfg, ar.prefill, ar.decode_loop, settings, cache_size)
+
+  @staticmethod
+  def outputs(state):
+    """(tokens [B, N], counts [B], forward passes in the loop, cycles [B] or None, hist or None)"""
+    out, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
+    return out, counts, int(steps), None, None
+
+
+class SpecRunner(Runner):
+
+  def __init__(self, params: dict, cfg, settings: SP.SpecSettings, prompt_len: int):
+    super().__init__(SP.prepare(params, cfg), cfg, SP.init_state, SP.spec_loop, settings,
+                     SP.cache_size_needed(prompt_len, settings))
+    self.settings = settings
+
+  def stage_times(self, prompts_BxP, lens_B, keys_B, repeats: int = 5) -> dict:
+    """Median ms of each stage of one cycle, each compiled and run alone on the state after
+    the prefill (inside the real loop they are one program: this is the breakdown)."""
+    params, cfg, st = self.params, self.cfg, self.settings
+    state = self._compiled_prefill(prompts_BxP, lens_B, keys_B)(params, prompts_BxP, lens_B,
+                                                                 keys_B)
+    draft = jax.jit(SP.draft, static_argnums=(1, 2))
+    verify = jax.jit(SP.verify, static_argnums=(1, 2))
+    accept = jax.jit(SP.accept_and_commit, static_argnums=(1,))
+    tree = draft(params, cfg, st, state)
+    verified = verify(params, cfg, st, state, tree)
+    stages = {'draft': lambda: draft(params, cfg, st, state),
+              'verify': lambda: verify(params, cfg, st, state, tree),
+              'accept': lambda: accept(params, st, state, tree, verified)}
+    out = {}
+    for name, fn in stages.items():
+      jax.block_until_ready(fn())
+      times = []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+      out[name] = round(1e3 * sorted(times)[len(times) // 2], 3)
+    return out
+
+  def outputs(self, state):
+    out = SP.generated(state, self.settings.generation.max_new_tokens)
+    out, counts, steps, cycles, hist = jax.device_get(
+        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxC))
+    return out, counts, int(steps), cycles, hist
+
+
+def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int) -> int:
+  """The usable cache length; a clear error when the prompt and new tokens do not fit."""
+  limit = min(cache_len, target.cfg.max_position)
+  if longest + max_new_tokens > limit:
+    raise ValueError(
+        f'prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache '
+        f'length {limit} (cache_len={cache_len}, model context {target.cfg.max_position}): '
+        'shorten the prompt or lower max_new_tokens' +
+        (', or raise cache_len' if cache_len < target.cfg.max_position else ''))
+  return limit
+
+
+def make_runner(target, settings: ar.GenerationSettings, method: str, longest: int, limit: int,
+                drafters: dict, **spec_fields) -> Runner:
+  """The AR or speculative runner for prompts of up to `longest` tokens.
+
+  drafters: {'drafter1': (DrafterConfig, params), ...} as the method needs (drafting.Method.drafters);
+  spec_fields: the other SpecSettings fields (gamma, n_branches, steps, ...)."""
+  prompt_block = round_up(longest, PROMPT_BUCKET)
+  if method == 'ar':
+    # One cache size for the whole run (one decode program), just large enough for it.
+    cache_size = min(round_up(prompt_block + settings.max_new_tokens, CACHE_BUCKET),
+                     max(limit, longest + settings.max_new_tokens))
+    return ARRunner(target, settings, cache_size)
+  params = {'target': target.params}
+  cfgs = {}
+  for name in options_lib.drafters_needed(method):
+    if name in drafters:  # (a missing one: check() names it, SpecSettings refuses it)
+      cfgs[name], params[name] = drafters[name]
+  spec = SP.SpecSettings(generation=settings, method=method, **spec_fields, **cfgs)
+  return SpecRunner(params, target.cfg, spec, prompt_block)
+
+
+def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
+                   width: int | None = None):
+  """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
+  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, first_batch).
+
+  Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
+  prefill and one decode-loop program for the run, whatever the prompt lengths of each batch
+  (a caller decoding a request in parts passes the whole request's width)."""
+  completions = []
+  stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None}
+  B = batch_size
+  width = round_up(width or max(len(p) for p in prompt_ids), PROMPT_BUCKET)
+  for start in range(0, len(prompt_ids), B):
+    rows = list(range(start, min(start + B, len(prompt_ids))))
+    # A short last batch is filled with copies of its first row (same program, outputs dropped).
+    batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
+    block, lens = ar.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET, width)
+    block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
+    keys = ar.row_keys(seed, rows + [rows[0]] * (B - len(rows)))
+    if start == 0:
+      stats['first_batch'] = (block, lens, keys)
+    state, t_prefill, t_decode = runner(block, lens, keys)
+    stats['prefill_s'] += t_prefill
+    stats['decode_s'] += t_decode
+    out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
+    stats['decode_steps'] += steps
+    for i, _ in enumerate(rows):
+      completions.append([int(t) for t in out_ids[i, :counts[i]]])
+      if row_cycles is not None:
+        stats['cycles'] += int(row_cycles[i])
+        stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
+  return completions, stats

@@ -1,0 +1,457 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, SmolLM2) written as pure functions.
+
+Parameters and the KV cache are plain pytrees passed in and returned. One `forward` serves
+prefill, one-token decoding and token-tree verification: it writes the K/V of the T new tokens
+into cache slots `cache_len .. cache_len+T-1` of each row and lets every new token attend to the
+row's committed context (slots `< cache_len`) plus the new tokens its `tree_mask` row allows.
+The caller decides what to commit (it advances `cache_len`, or compacts tree entries).
+
+Parameter layout (`layers` is a list with one dict per layer):
+  embed        [V, D]
+  lm_head      [V, D]              (only when embeddings are untied)
+  final_norm   [D]
+  attn_norm [D], mlp_norm [D]
+  wqkv         [Hkv, Hg+2, hd, D]   per KV head: its Hg query heads, then its key, then its value
+  bqkv         [Hkv, Hg+2, hd]      (Qwen2 biases)
+  q_norm, k_norm [hd]              (Qwen3 per-head RMSNorm)
+  wo           [D, H*hd]
+  w_gate_up    [2, F, D]           gate then up
+  w_down       [D, F]
+Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = H / Hkv query
+heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
+Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products (one
+row, an AR step) stream them faster than [in, out]. On a CPU, inputs of a few rows (2-64: a
+verified tree, the drafters' blocks, a small batch's AR step) are multiplied as columns,
+(w @ x.T).T (`linear`): 1.5-1.9x faster there than x @ w.T from either layout
+(benchmarks/matmul_layout.py), from the same weights.
+Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
+KV head keeps tensor-parallel sharding over heads a plain split of one axis.
+
+Precision. `dtype` is the storage dtype of the weights (bfloat16 halves them); activations, the
+residual stream, every accumulation and the logits are float32, and so is the KV cache unless
+`cache_dtype='bfloat16'`. A token's hidden state then differs between a verified tree and
+one-token AR steps only by float32 accumulation order, as in float32, so bfloat16 speculative
+decoding reproduces bfloat16 AR (tests/test_bf16.py). With bfloat16 activations the two drifted
+0.25 apart in the final hidden state and greedy D²SD left bfloat16 AR within 64 tokens on 2 of 3
+prompts; a bfloat16 cache (new keys and values rounded to it before any token attends to them,
+as a later step reads them) still drifts 1e-2 apart, enough to flip a near-tie now and then:
+choose it for memory (long contexts, big batches), not for exact agreement with AR.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, Hkv, S, hd]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False  # Qwen2
+  qk_norm: bool = False  # Qwen3
+  max_position: int = 8192  # context length the model was trained for
+  dtype: str = 'float32'  # weight dtype ('float32' or 'bfloat16'); activations are float32
+  cache_dtype: str = 'float32'  # KV cache dtype ('bfloat16' halves it; see Precision above)
+  # Per-frequency divisors of RoPE's inverse frequencies, head_dim/2 of them (Llama-3.1 'llama3'
+  # and 'linear' scaling, a GGUF's rope_freqs tensor); None = plain RoPE. A tuple, not an
+  # array, so the config stays hashable as a static jit argument.
+  rope_freq_factors: tuple[float, ...] | None = None
+
+  def __post_init__(self):
+    if self.rope_freq_factors is not None:  # a list read back from JSON becomes a tuple
+      object.__setattr__(self, 'rope_freq_factors',
+                         tuple(float(f) for f in self.rope_freq_factors))
+      if len(self.rope_freq_factors) != self.head_dim // 2:
+        raise ValueError(f'{len(self.rope_freq_factors)} rope_freq_factors for head_dim='
+                         f'{self.head_dim}: give one per rotated pair ({self.head_dim // 2})')
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f'n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even for RoPE')
+    for name in ('dtype', 'cache_dtype'):
+      if getattr(self, name) not in ('float32', 'bfloat16'):
+        raise ValueError(f"{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
+
+  @property
+  def group(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def cache_jnp_dtype(self):
+    return jnp.dtype(self.cache_dtype)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.2) -> Params:
+  """Random parameters (tests and benchmarks); real ones come from `d2sd_jax.formats.loaders`."""
+  L, D, H, Hkv, hd, F, V = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                            cfg.d_ff, cfg.vocab_size)
+  ks = iter(jax.random.split(key, 8 * L + 8))
+  normal = lambda shape, s=scale: (s * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
+  near_one = lambda shape: (1.0 + 0.1 * jax.random.normal(next(ks), shape)).astype(cfg.jnp_dtype)
+  def one_layer():
+    lp = {
+        'attn_norm': near_one((D,)),
+        'mlp_norm': near_one((D,)),
+        'wqkv': normal((Hkv, cfg.group + 2, hd, D), scale / D**0.5 * 4),
+        'wo': normal((D, H * hd), scale / (H * hd)**0.5 * 4),
+        'w_gate_up': normal((2, F, D), scale / D**0.5 * 4),
+        'w_down': normal((D, F), scale / F**0.5 * 4),
+    }
+    if cfg.qkv_bias:
+      lp['bqkv'] = normal((Hkv, cfg.group + 2, hd), 0.1)
+    if cfg.qk_norm:
+      lp['q_norm'] = near_one((hd,))
+      lp['k_norm'] = near_one((hd,))
+    return lp
+
+  layers = [one_layer() for _ in range(L)]
+  params = {'embed': normal((V, D), 1.0), 'final_norm': near_one((D,)), 'layers': layers}
+  if not cfg.tie_embeddings:
+    params['lm_head'] = normal((V, D), scale / D**0.5 * 4)
+  return params
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+  """One {'k', 'v'} buffer pair per layer, [B, Hkv, S, hd].
+
+  Separate per-layer buffers let XLA update each in place inside a while loop (writing a slice
+  of one stacked [L, ...] array copied the whole cache once per layer), and heads-before-slots
+  makes the attention dots contiguous per (row, head).
+  """
+  shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+  return [{'k': jnp.zeros(shape, cfg.cache_jnp_dtype), 'v': jnp.zeros(shape, cfg.cache_jnp_dtype)}
+          for _ in range(cfg.n_layers)]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxTxNhxhd: jax.Array, positions_BxT: jax.Array, base: float,
+         freq_factors: tuple[float, ...] | None = None) -> jax.Array:
+  """Rotary embedding, 'rotate half' convention (Hugging Face layout).
+
+  freq_factors: divide the inverse frequencies (ModelConfig.rope_freq_factors): a constant
+  folded in at trace time, so plain RoPE (None) runs exactly as before.
+  """
+  hd = x_BxTxNhxhd.shape[-1]
+  inv_freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
+  angle_BxTxh = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angle_BxTxh)[:, :, None, :]
+  sin = jnp.sin(angle_BxTxh)[:, :, None, :]
+  x = x_BxTxNhxhd.astype(jnp.float32)
+  x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNhxhd.dtype)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+
+
+COLUMN_ROWS = (2, 64)  # on a CPU, products with this many input rows are taken as columns
+
+
+def columns_for(rows: int) -> bool:
+  """Whether `linear` multiplies an input of `rows` rows as columns: on a CPU, within
+  COLUMN_ROWS."""
+  return jax.default_backend() == 'cpu' and COLUMN_ROWS[0] <= rows <= COLUMN_ROWS[1]
+
+
+def linear(x_BxTxI, w_OxI):
+  """x @ w.T, float32 out (see Precision in the module docstring).
+
+  With a few rows on a CPU (`columns_for`) the product is taken as columns, w @ x.T, and
+  materialised before it is transposed back: XLA:CPU then streams w once through a kernel for a
+  tall matrix times a thin one, 1.5-1.9x faster at 4-32 rows than the row form x @ w.T from
+  either weight layout, and level with it at 64 rows and more (benchmarks/matmul_layout.py).
+  Without the optimization barrier XLA folds the transpose into the product's output layout,
+  which is the row form again. One row (an AR step) stays a matrix-vector product. Both forms
+  give the same values up to float32 summation order."""
+  B, T, I = x_BxTxI.shape
+  if columns_for(B * T):
+    y_OxN = jax.lax.optimization_barrier(
+        jnp.einsum('ni,oi->on', x_BxTxI.reshape(B * T, I), w_OxI,
+                   preferred_element_type=jnp.float32))
+    return y_OxN.T.reshape(B, T, -1)
+  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
+
+
+def as_matrix(lp, name: str):
+  """A layer's projection as the 2-D [out, in] matrix the matmul reads (a free reshape)."""
+  w = lp[name]
+  return w.reshape(-1, w.shape[-1])
+
+
+UNROLL_ROWS = 8  # batches up to this size update caches row by row (see write_rows)
+
+
+def write_rows(cache_BxHkvxSxhd, new_BxHkvxTxhd, start_B):
+  """cache[b, :, start_b:start_b+T] = new[b].
+
+  Small batches: one in-place dynamic-update-slice per row (a scatter made XLA:CPU copy the
+  layer's whole cache every step). Large batches: one batched update (a scatter), which keeps
+  the program small. Callers keep start_b + T <= S (a start past that is clamped).
+  """
+  new_BxHkvxTxhd = new_BxHkvxTxhd.astype(cache_BxHkvxSxhd.dtype)
+  B = cache_BxHkvxSxhd.shape[0]
+  if B > UNROLL_ROWS:
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(
+        cache_BxHkvxSxhd, new_BxHkvxTxhd, start_B)
+  for b in range(B):
+    cache_BxHkvxSxhd = jax.lax.dynamic_update_slice(cache_BxHkvxSxhd, new_BxHkvxTxhd[b:b + 1],
+                                                  (b, 0, start_B[b], 0))
+  return cache_BxHkvxSxhd
+
+
+def read_rows(cache_BxHkvxSxhd, start_B, length: int):
+  """cache[b, :, start_b:start_b+length] for every row: [B, K, length, hd]."""
+  return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, length, axis=1))(
+      cache_BxHkvxSxhd, start_B)
+
+
+def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT, keys_values_only=False):
+  """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs.
+  keys_values_only: (None, keys, values), projected through `wkv` (the key and value rows of
+  wqkv, gathered [out, in]) where the layer has it (drafter.for_decoding: the drafters'
+  context)."""
+  B, T, _ = h_BxTxD.shape
+  Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  if keys_values_only and 'wkv' in lp:
+    kv = linear(h_BxTxD, lp['wkv']).reshape(B, T, Hkv, 2, hd)
+    if cfg.qkv_bias:
+      kv = kv + lp['bqkv'][:, Hg:]
+    k_BxTxHkvxhd = kv[:, :, :, 0]
+    if cfg.qk_norm:
+      k_BxTxHkvxhd = rms_norm(k_BxTxHkvxhd, lp['k_norm'], cfg.norm_eps)
+    return None, rope(k_BxTxHkvxhd, positions_BxT, cfg.rope_base,
+                      cfg.rope_freq_factors), kv[:, :, :, 1]
+  # Weights as 2-D [out, in] for the matmul (a free reshape); contracting a 4-D weight made XLA
+  # transpose it every step.
+  qkv = linear(h_BxTxD, as_matrix(lp, 'wqkv')).reshape(B, T, Hkv, Hg + 2, hd)
+  if cfg.qkv_bias:
+    qkv = qkv + lp['bqkv']
+  q_BxTxHkvxHgxhd = qkv[:, :, :, :Hg]
+  k_BxTxHkvxhd, v_BxTxHkvxhd = qkv[:, :, :, Hg], qkv[:, :, :, Hg + 1]
+  if cfg.qk_norm:
+    q_BxTxHkvxHgxhd = rms_norm(q_BxTxHkvxHgxhd, lp['q_norm'], cfg.norm_eps)
+    k_BxTxHkvxhd = rms_norm(k_BxTxHkvxhd, lp['k_norm'], cfg.norm_eps)
+  rope_of = lambda x: rope(x, positions_BxT, cfg.rope_base, cfg.rope_freq_factors)
+  q_BxTxHxhd = rope_of(q_BxTxHkvxHgxhd.reshape(B, T, Hkv * Hg, hd))
+  return q_BxTxHxhd, rope_of(k_BxTxHkvxhd), v_BxTxHkvxhd
+
+
+def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree_mask_BxTxT,
+              block_size: int | None = None, fresh: bool = False):
+  """Attention of T new tokens over [cached context ; the new tokens], float32 [B, T, H·hd].
+
+  Three forms, one law (tests/test_model.py checks them against each other):
+  - general: one softmax over the context slots `ctx_mask` allows ([B, S] or [B, T, S]) and the
+    new tokens `tree_mask_BxTxT` allows (a token tree, or causal);
+  - block_size=G (tree_mask None): the new tokens are T/G independent blocks, bidirectional
+    within each (the drafters' blocks side by side). Scores among new tokens are computed per
+    block, [.., T/G, G, G], so memory and work grow as T·G instead of T² (training attends
+    anchors·γ block tokens at once);
+  - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
+    attention among the new tokens alone through `jax.nn.dot_product_attention` (cuDNN's fused
+    kernel on GPUs where it applies, XLA elsewhere) instead of scores against all S empty slots.
+
+  The general and block forms read only a window of the cache: the first W slots, W the
+  smallest of `context_windows(S)` (256, 512, 1024, ... slots and S) that holds every slot a
+  row may attend to, chosen at run time by `lax.switch`. Slots past W are masked for every row,
+  so they only cost work: their probabilities are exact zeros, and a cache sized for a long
+  generation (S = 2048 with 400 slots used) no longer costs every step the whole capacity.
+  """
+  if fresh:
+    if tree_mask_BxTxT is not None or block_size:
+      raise ValueError('fresh attention is causal: give neither tree_mask nor block_size')
+    B, T, H, hd = q_BxTxHxhd.shape
+    out_BxTxHxhd = jax.nn.dot_product_attention(
+        q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd.transpose(0, 2, 1, 3),
+        v_new_BxHkvxTxhd.transpose(0, 2, 1, 3), is_causal=True)
+    return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
+  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
+  S = kv['k'].shape[2]
+  windows = context_windows(S)
+  attend = functools.partial(_attend_window, block_size=block_size)
+  args = (q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask_BxTxS, tree_mask_BxTxT)
+  if len(windows) == 1:
+    return attend(S, *args)
+  used = jnp.max(jnp.where(jnp.any(ctx_mask_BxTxS, axis=(0, 1)), jnp.arange(S) + 1, 0))
+  which = jnp.searchsorted(jnp.asarray(windows), used)  # the first window >= used
+  return jax.lax.switch(which, [functools.partial(attend, w) for w in windows], *args)
+
+
+MIN_WINDOW = 256  # the smallest context window attention compiles (see context_windows)
+
+
+def context_windows(S: int) -> tuple[int, ...]:
+  """The context lengths `attention` is compiled for over a cache of S slots: MIN_WINDOW,
+  doubling, below S, then S. Each is a branch of every layer's attention (compile time grows
+  with their number; the work of a step with the window it reads)."""
+  out, w = [], MIN_WINDOW
+  while w < S:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (S,)
+
+
+def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask_BxTxS,
+                   tree_mask_BxTxT, block_size: int | None = None):
+  """`attention`'s general and block forms over the first W cache slots (ctx_mask [B, T, S]
+  must allow none past them)."""
+  B, Hkv, T, hd = k_new_BxHkvxTxhd.shape
+  Hg = q_BxTxHxhd.shape[2] // Hkv
+  kv = {'k': kv['k'][:, :, :W], 'v': kv['v'][:, :, :W]}
+  ctx_mask_BxTxS = ctx_mask_BxTxS[..., :W]
+  S = W
+  dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  neg = jnp.finfo(jnp.float32).min
+  # Query rows per KV head, ordered (Hg, T): the dots are contiguous per (row, head).
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                  .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
+  scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
+  if block_size:
+    G = block_size
+    nb = T // G
+    if nb * G != T:
+      raise ValueError(f'{T} new tokens are not a whole number of blocks of {G}')
+    q_6 = q_BxHkvxRxhd.reshape(B, Hkv, Hg, nb, G, hd)
+    k_5 = k_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd)
+    ctx_ok = jnp.broadcast_to(ctx_mask_BxTxS, (B, T, S)).reshape(B, 1, 1, nb, G, S)
+    scores = jnp.concatenate(
+        [jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg),
+         dot('bkgnqh,bknth->bkgnqt', q_6, k_5)], axis=-1)  # [B, Hkv, Hg, nb, G, S + G]
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn_BxHkvxRxhd = (
+        dot('bkgnqs,bksh->bkgnqh', probs[..., :S], kv['v']) +
+        dot('bkgnqt,bknth->bkgnqh', probs[..., S:], v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
+    ).reshape(B, Hkv, Hg * T, hd)
+  else:
+    scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
+    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
+    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
+    mask_BxHkvxRxSplusT = jnp.concatenate(
+        [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
+        axis=-1)
+    scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1)
+    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
+                       dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
+  return (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
+          .reshape(B, T, Hkv * Hg * hd))
+
+
+def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
+          write_start_B=None, block_size: int | None = None, fresh: bool = False):
+  """One transformer layer over T new tokens attending to [cached context ; each other].
+
+  ctx_mask: [B, S] (every new token sees the same context slots) or [B, T, S].
+  write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
+  the drafters, whose block tokens are never cached).
+  block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
+  """
+  B, T, _ = x_BxTxD.shape
+  hd = cfg.head_dim
+  h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
+  q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
+  # The new tokens' K/V in the cache's dtype before anything reads them: a token verified in a
+  # tree sees its ancestors' keys exactly as it would read them from the cache one step later.
+  cdt = kv['k'].dtype
+  k_new_BxHkvxTxhd = k_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
+  v_new_BxHkvxTxhd = v_BxTxHkvxhd.transpose(0, 2, 1, 3).astype(cdt)
+  # Attention over [committed context in the cache ; the T new tokens], one softmax: the
+  # context part reads the cache as it was, so the write below is the cache's only update and
+  # XLA does it in place (attending through the freshly written cache made it copy the whole
+  # layer cache several times per step).
+  attn_BxTxE = attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
+                         tree_mask_BxTxT, block_size, fresh)
+  new_kv = kv
+  if write_start_B is not None:
+    # Order the write after the reads: XLA only updates the cache in place when the written
+    # value depends on what read the old cache (an optimization barrier is not enough);
+    # otherwise it copies the whole layer cache every step. `0 *` keeps the values.
+    after_reads_Bx1xTxhd = 0.0 * attn_BxTxE[:, None, :, :hd].astype(cdt)
+    new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B),
+              'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B)}
+  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
+
+  h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
+  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up')).reshape(B, T, 2, -1)
+  act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
+  x_BxTxD = x_BxTxD + linear(act, lp['w_down'])
+  return x_BxTxD, new_kv
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+            cache: Cache, cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array | None = None,
+            feature_layers: tuple[int, ...] = (), fresh: bool = False):
+  """Runs T new tokens per row after each row's cached context.
+
+  Args:
+    tokens_BxT, positions_BxT: the new tokens and their RoPE positions (a tree node's position is
+      its depth after the context).
+    cache: per layer {'k', 'v'}: [B, Hkv, S, hd]; the new tokens' K/V are written to slots
+      `cache_len_B + arange(T)`; callers keep cache_len + T <= S (a write past the end would be
+      clamped onto earlier slots). Attention reads only slots < cache_len from the cache.
+    tree_mask_BxTxT: which new tokens each new token attends to (itself and its ancestors);
+      default causal. Rows must allow the diagonal.
+    feature_layers: hidden states to return, Hugging Face numbering (0 = embeddings, l = output
+      of layer l).
+    fresh: the cache holds nothing yet (prefill from cache_len 0, teacher features): causal
+      attention among the new tokens only (`attention`), not against every empty slot.
+
+  Returns:
+    (hidden_BxTxD after the final norm, updated cache, features_BxTxLfxD or None)
+  """
+  B, T = tokens_BxT.shape
+  S = cache[0]['k'].shape[2]
+  if tree_mask_BxTxT is None and not fresh:
+    tree_mask_BxTxT = causal_mask(B, T)
+  ctx_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
+  x_BxTxD = params['embed'][tokens_BxT].astype(jnp.float32)
+
+  # Layers are unrolled over lists of per-layer weights and caches: a `lax.scan` over stacked
+  # weights makes XLA:CPU copy each layer's slice before its matmul.
+  states, new_cache = [x_BxTxD], []
+  for lp, kv in zip(params['layers'], cache):
+    x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, ctx_mask_BxS, tree_mask_BxTxT,
+                        write_start_B=cache_len_B, fresh=fresh)
+    new_cache.append(kv)
+    states.append(x_BxTxD)
+  features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None
+  hidden_BxTxD = rms_norm(x_BxTxD, params['final_norm'], cfg.norm_eps)
+  return hidden_BxTxD, new_cache, features
+
+
+def logits(params: Params, cfg: ModelConfig, hidden_BxTxD: jax.Array) -> jax.Array:
+  """Float32 logits from final hidden states (tied or separate LM head)."""
+  head_VxD = params['embed'] if cfg.tie_embeddings else params['lm_head']
+  return linear(hidden_BxTxD, head_VxD)
+
+
+def param_bytes(params: Params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

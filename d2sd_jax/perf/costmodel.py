@@ -1,0 +1,414 @@
+"""What each stage of a speculative cycle costs on a device: measured here, or predicted for
+hardware we cannot run on.
+
+Measured (`measure`), on the state after a prefill of `context` tokens (median of repeats):
+  - as the decode loop runs them: the AR step and each drafting configuration's whole cycle
+    (speculative.spec_step), each timed as LOOP_ITERS iterations of one jitted lax.fori_loop,
+    so the KV cache is updated in place as in the real while_loop. A program called on its own
+    returns a fresh copy of the state (cache included) every call, whose allocation and copy
+    made an AR step 35 % dearer than inside the loop;
+  - the parts, each compiled and timed alone (with that overhead; for the breakdown and for
+    tree sizes not measured as a whole cycle): a verification pass of T nodes for T in a grid
+    (speculative.verify), each drafting configuration's draft (speculative.draft), and
+    acceptance + commit of T nodes (speculative.accept_and_commit). The result is cached as JSON under
+~/.cache/d2sd_jax/costs/ (D2SD_COST_CACHE overrides), keyed by the device kind, the target's and
+drafters' shapes and dtypes, the batch, the context and what was measured; `--force` measures
+again.
+
+Predicted (`predict`): the same programs lowered (not run) at any target's shapes with abstract
+parameters (jax.eval_shape: no weights needed), their FLOPs from XLA's cost analysis and the bytes
+they must read counted directly (weights, plus the KV cache and drafter context that attention
+reads; XLA's pre-optimisation byte count over-counts), against a chip's peak FLOP/s and memory
+bandwidth, each derated by an attainable fraction:
+    t = max(FLOPs / (peak · flop_eff), bytes / (bandwidth · bw_eff)) + launch overhead.
+
+  python -m d2sd_jax.perf.costmodel measure --drafter1 drafters/smollm2-drafter1 \\
+      --drafter2 drafters/smollm2-drafter2
+  python -m d2sd_jax.perf.costmodel predict --chip h200 --target qwen3-8b
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.spec import ar
+from d2sd_jax.models import target as model_lib
+from d2sd_jax.spec import speculative as SP
+from d2sd_jax.perf import throughput
+from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.formats.drafters import load_drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  peak_flops: float  # dense bf16 FLOP/s, the vendor's figure
+  bandwidth: float  # memory bytes/s, the vendor's figure
+  flop_eff: float = 0.6  # attainable fraction of peak FLOP/s for these mid-sized matmuls
+  bw_eff: float = 0.8  # attainable fraction of bandwidth for streaming weights
+  launch_s: float = 20e-6  # per-program overhead (kernel launches of one fused step)
+
+
+CHIPS = {
+    'h200': Chip('NVIDIA H200 SXM', 989e12, 4.8e12),
+    'h100': Chip('NVIDIA H100 SXM', 989e12, 3.35e12),
+    'tpu-v5e': Chip('TPU v5e', 197e12, 819e9),
+    'tpu-v5p': Chip('TPU v5p', 459e12, 2.765e12),
+}
+
+# Public targets and the drafters the papers pair with them, by shape only (no weights).
+TARGETS = {
+    'qwen3-8b': model_lib.ModelConfig(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32,
+                                      n_kv_heads=8, head_dim=128, d_ff=12288, rope_base=1e6,
+                                      norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+                                      max_position=40960, dtype='bfloat16'),
+    'llama-3.1-8b': model_lib.ModelConfig(vocab_size=128256, d_model=4096, n_layers=32,
+                                          n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
+                                          rope_base=5e5, tie_embeddings=False,
+                                          max_position=131072, dtype='bfloat16'),
+}
+
+
+def paper_drafter(tcfg: model_lib.ModelConfig, gamma: int = 16) -> drafter_lib.DrafterConfig:
+  """DFlash's drafter for an 8B target: 5 target-width layers, 5 feature layers."""
+  L = tcfg.n_layers
+  return drafter_lib.DrafterConfig(
+      gamma=gamma, n_layers=5, d_model=tcfg.d_model, n_heads=tcfg.n_heads,
+      n_kv_heads=tcfg.n_kv_heads, head_dim=tcfg.head_dim, d_ff=tcfg.d_ff,
+      feature_layers=tuple(int(round(x)) for x in np.linspace(1, L - 1, 5)),
+      rope_base=tcfg.rope_base, norm_eps=tcfg.norm_eps, dtype=tcfg.dtype)
+
+
+@dataclasses.dataclass
+class CycleCosts:
+  """Seconds per program on one device (one batch of `batch` rows, `context` cached tokens)."""
+  device: str
+  batch: int
+  context: int
+  ar_step: float
+  verify: dict  # tree nodes T -> s
+  accept: dict  # tree nodes T -> s (acceptance + commit)
+  draft: dict  # draft_key(...) -> s
+  cycles: dict = dataclasses.field(default_factory=dict)  # cycle_key(spec) -> s, in the loop
+
+  def at(self, table: str, nodes: int) -> float:
+    """verify / accept cost of `nodes` nodes, linear between the measured sizes."""
+    by_size = getattr(self, table)  # int keys (from_json converts them)
+    sizes = sorted(by_size)
+    return float(np.interp(nodes, sizes, [by_size[k] for k in sizes]))
+
+  def cycle(self, spec: SP.SpecSettings) -> float:
+    """One verification cycle of `spec`: as measured inside the loop when it was, else
+    draft + verify + accept from the parts."""
+    if cycle_key(spec) in self.cycles:
+      return self.cycles[cycle_key(spec)]
+    return (self.draft[draft_key(spec)] + self.at('verify', spec.tree_size) +
+            self.at('accept', spec.tree_size))
+
+  def to_json(self) -> dict:
+    return {**dataclasses.asdict(self),
+            'verify': {str(k): v for k, v in self.verify.items()},
+            'accept': {str(k): v for k, v in self.accept.items()}}
+
+  @classmethod
+  def from_json(cls, d: dict) -> CycleCosts:
+    return cls(**{**d, 'verify': {int(k): v for k, v in d['verify'].items()},
+                  'accept': {int(k): v for k, v in d['accept'].items()}})
+
+
+def draft_key(spec: SP.SpecSettings) -> str:
+  """What a draft's cost depends on: the method, the block, K and the denoising steps."""
+  return f'{spec.method}:G={spec.gamma}:K={spec.n_branches}:steps={spec.steps}'
+
+
+def cycle_key(spec: SP.SpecSettings) -> str:
+  """What a whole cycle's cost depends on: the draft and the verified tree's size."""
+  return f'{draft_key(spec)}:T={spec.tree_size}'
+
+
+LOOP_ITERS = 8  # iterations per timed loop program (its one copy of the state is amortised)
+
+
+def loop_program(step):
+  """jit((state, inputs) -> LOOP_ITERS applications of `step(state, inputs)` in one
+  lax.fori_loop), the timed loops here and in benchmarks/matmul_layout.py. The weights come
+  in as `inputs`, arguments: closed over, they would be compile-time constants that XLA may
+  fold (work done at compile time, not timed)."""
+  return jax.jit(lambda s, a: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x, a), s))
+
+
+def _median_s(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())  # warm
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def _chain_spec(gen, nodes: int) -> SP.SpecSettings:
+  return SP.SpecSettings(gen, method='pld', gamma=nodes)
+
+
+def _synthetic_prompt(vocab_size: int, batch: int, context: int):
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, vocab_size, (batch, context)).tolist()
+  return ar.pad_prompts(ids, 0, bucket=64)
+
+
+def cache_dir() -> str:
+  return os.environ.get('D2SD_COST_CACHE',
+                        os.path.join(os.path.expanduser('~'), '.cache', 'd2sd_jax', 'costs'))
+
+
+def _cache_key(tcfg, params, specs, batch, context, sizes) -> str:
+  dev = jax.devices()[0]
+  shapes = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), params)
+  blob = json.dumps([dev.platform, dev.device_kind, len(jax.devices()), repr(tcfg),
+                     repr(shapes), sorted(draft_key(s) + repr((s.drafter1, s.drafter2))
+                                          for s in specs), batch, context, list(sizes),
+                     jax.__version__, 'loop-v4'], sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettings],
+            batch: int = 1, context: int = 512, sizes=(2, 4, 8, 16, 32, 64), repeats: int = 7,
+            use_cache: bool = True, log=print) -> CycleCosts:
+  """Times this machine's programs (see the module docstring). `params`: {'target', and the
+  drafters the specs need}; `specs`: the drafting configurations to time (their tree sizes are
+  interpolated in `sizes`)."""
+  key = _cache_key(tcfg, params, specs, batch, context, sizes)
+  path = os.path.join(cache_dir(), f'{key}.json')
+  if use_cache and os.path.exists(path):
+    with open(path) as f:
+      return CycleCosts.from_json(json.load(f))
+  max_gamma = max((s.gamma for s in specs), default=1)
+  # (rows never finish inside a timed loop: every iteration does a full step's work)
+  gen = ar.GenerationSettings(max_new_tokens=LOOP_ITERS * max_gamma + 8, eos_ids=(), pad_id=0)
+  block, lens = _synthetic_prompt(tcfg.vocab_size, batch, context)
+  keys = ar.row_keys(0, range(batch))
+  cache_size = context + 64 + LOOP_ITERS * max_gamma + max(
+      max(sizes), max((s.tree_size for s in specs), default=0))
+  log(f'measuring cycle costs on {jax.devices()[0].device_kind} (batch {batch}, context '
+      f'{context}); cached in {path}')
+
+  ar_params = params['target']  # as decoding.ARRunner runs it
+  params = SP.prepare(params, tcfg)  # as decoding.SpecRunner runs the speculative programs
+  ar_state = jax.jit(ar.prefill, static_argnums=(1, 2, 6))(ar_params, tcfg, gen, block,
+                                                          lens, keys, cache_size)
+  ar_loop = loop_program(lambda s, p: ar.decode_step(p, tcfg, gen, s))
+  ar_step = _median_s(lambda: ar_loop(ar_state, ar_params), repeats) / LOOP_ITERS
+
+  init = jax.jit(SP.init_state, static_argnums=(1, 2, 6))
+  verify = jax.jit(SP.verify, static_argnums=(1, 2))
+  accept = jax.jit(SP.accept_and_commit, static_argnums=(1,))
+  draft = jax.jit(SP.draft, static_argnums=(1, 2))
+  verify_s, accept_s, draft_s, cycle_s = {}, {}, {}, {}
+  target_only = {'target': params['target']}
+  for T in sizes:
+    spec = _chain_spec(gen, T)
+    state = init(target_only, tcfg, spec, block, lens, keys, cache_size)
+    tree = tree_lib.chain(state.anchor_B, jnp.zeros((batch, T - 1), jnp.int32),
+                          jnp.ones((batch, T - 1), bool))
+    verify_s[T] = _median_s(lambda: verify(target_only, tcfg, spec, state, tree), repeats)
+    v = verify(target_only, tcfg, spec, state, tree)
+    accept_s[T] = _median_s(lambda: accept(target_only, spec, state, tree, v), repeats)
+  for spec in specs:
+    spec = dataclasses.replace(spec, generation=gen)
+    bundle = {n: params[n] for n in ('target',) + spec.drafters}
+    state = init(bundle, tcfg, spec, block, lens, keys, cache_size)
+    draft_s[draft_key(spec)] = _median_s(lambda: draft(bundle, tcfg, spec, state), repeats)
+    loop = loop_program(lambda s, b, sp=spec: SP.spec_step(b, tcfg, sp, s))
+    cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state, bundle), repeats) / LOOP_ITERS
+  costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
+                     ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
+                     cycles=cycle_s)
+  write_json(path, costs.to_json())
+  return costs
+
+
+def write_json(path: str, obj) -> None:
+  """A cache file written whole or not at all (beside, then renamed): a reader never sees
+  half a file (the cost model's, and autoconfig's remembered choices)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f'{path}.{os.getpid()}.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction for other hardware
+
+
+# The drafter passes of each method's draft (branches of one drafter go through it together).
+DRAFTER_PASSES = {'dflash': ('drafter1',), 'dflash_resample': ('drafter1',),
+                  'dflash_dflash': ('drafter1', 'drafter1'), 'd2sd': ('drafter1', 'drafter2'),
+                  'd2sd_pld': ('drafter1', 'drafter2')}
+
+
+def _abstract(fn, *args):
+  return jax.eval_shape(fn, *args)
+
+
+def _program_flops(fn, static, *args) -> float:
+  lowered = jax.jit(fn, static_argnums=static).lower(*args)
+  cost = lowered.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return float(cost.get('flops', 0.0))
+
+
+def _nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _kv_bytes(n_layers, n_kv_heads, head_dim, tokens, batch, dtype) -> int:
+  return 2 * n_layers * n_kv_heads * head_dim * tokens * batch * jnp.dtype(dtype).itemsize
+
+
+def predict(tcfg: model_lib.ModelConfig, chip: Chip, specs: list[SP.SpecSettings],
+            batch: int = 1, context: int = 1024, sizes=(1, 16, 32, 64, 96)) -> CycleCosts:
+  """Roofline costs of the same programs at `tcfg`'s shapes on `chip` (module docstring)."""
+  gen = ar.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+  tparams = _abstract(lambda: model_lib.init_params(tcfg, jax.random.PRNGKey(0)))
+  tparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, tcfg.jnp_dtype), tparams)
+  w_bytes = _nbytes(tparams)
+  cache_size = context + 128
+  block = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+  lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  keys = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+
+  def roofline(flops, nbytes):
+    return max(flops / (chip.peak_flops * chip.flop_eff),
+               nbytes / (chip.bandwidth * chip.bw_eff)) + chip.launch_s
+
+  kv_read = _kv_bytes(tcfg.n_layers, tcfg.n_kv_heads, tcfg.head_dim, context, batch, tcfg.dtype)
+  ar_state = _abstract(lambda p, b, l, k: ar.prefill(p, tcfg, gen, b, l, k, cache_size),
+                       tparams, block, lens, keys)
+  ar_flops = _program_flops(ar.decode_step, (1, 2), tparams, tcfg, gen, ar_state)
+  ar_step = roofline(ar_flops, w_bytes + kv_read)
+  verify_s, accept_s, draft_s, cycle_s = {}, {}, {}, {}
+  for T in sizes:
+    T = max(T, 2)
+    spec = _chain_spec(gen, T)
+    state = _abstract(lambda p, b, l, k: SP.init_state({'target': p}, tcfg, spec, b, l, k,
+                                                       cache_size), tparams, block, lens, keys)
+    tree = _abstract(lambda s: tree_lib.chain(s.anchor_B, jnp.zeros((batch, T - 1), jnp.int32),
+                                              jnp.ones((batch, T - 1), bool)), state)
+    flops = _program_flops(SP.verify, (1, 2), {'target': tparams}, tcfg, spec, state, tree)
+    verify_s[T] = roofline(flops, w_bytes + kv_read)
+    accept_s[T] = chip.launch_s  # fixed-shape tree math: negligible next to a target pass
+  for spec in specs:
+    spec = dataclasses.replace(spec, generation=gen)
+    dparams = {}
+    for name in spec.drafters:
+      dcfg = getattr(spec, name)
+      dparams[name] = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, dcfg.layer_config(1).jnp_dtype)
+          if jnp.issubdtype(x.dtype, jnp.floating) else x,
+          _abstract(lambda: drafter_lib.init_params(dcfg, tcfg, jax.random.PRNGKey(0))))
+    bundle = {'target': tparams, **dparams}
+    state = _abstract(lambda p, b, l, k: SP.init_state(p, tcfg, spec, b, l, k, cache_size),
+                      bundle, block, lens, keys)
+    flops = _program_flops(SP.draft, (1, 2), bundle, tcfg, spec, state)
+    # Each drafter pass reads its weights, the target's LM head and its context K/V.
+    head = tcfg.vocab_size * tcfg.d_model * jnp.dtype(tcfg.dtype).itemsize
+    nbytes = 0
+    for name in DRAFTER_PASSES.get(spec.method, ()):
+      dcfg = getattr(spec, name)
+      nbytes += _nbytes(dparams[name]) + head + _kv_bytes(
+          dcfg.n_layers, dcfg.n_kv_heads, dcfg.head_dim, context, batch, tcfg.dtype)
+    draft_s[draft_key(spec)] = roofline(flops, nbytes) * max(spec.steps, 1)
+  return CycleCosts(device=chip.name, batch=batch, context=context, ar_step=ar_step,
+                    verify=verify_s, accept=accept_s, draft=draft_s)
+
+
+def table(costs: CycleCosts) -> str:
+  ar_s = costs.ar_step
+  lines = [f'{costs.device}, batch {costs.batch}, context {costs.context}',
+           f'  AR step                {1e3 * ar_s:9.3f} ms   1.00 AR steps']
+  for T in sorted(costs.verify):
+    lines.append(f'  verify {T:3d} nodes       {1e3 * costs.verify[T]:9.3f} ms  '
+                 f'{costs.verify[T] / ar_s:5.2f}')
+  for T in sorted(costs.accept):
+    lines.append(f'  accept {T:3d} nodes       {1e3 * costs.accept[T]:9.3f} ms  '
+                 f'{costs.accept[T] / ar_s:5.2f}')
+  for k, v in costs.draft.items():
+    lines.append(f'  draft {k:28s} {1e3 * v:9.3f} ms  {v / ar_s:5.2f}')
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  sub = parser.add_subparsers(dest='cmd', required=True)
+  m = sub.add_parser('measure', help='time this machine\'s programs (cached)')
+  m.add_argument('--target', default='smollm2')
+  m.add_argument('--drafter1', default='drafters/smollm2-drafter1')
+  m.add_argument('--drafter2', default='drafters/smollm2-drafter2')
+  m.add_argument('--batch', type=int, default=1)
+  m.add_argument('--context', type=int, default=512)
+  m.add_argument('--force', action='store_true', help='measure again, ignoring the cache')
+  p = sub.add_parser('predict', help='roofline costs on a chip from lowered programs')
+  p.add_argument('--chip', default='h200', choices=sorted(CHIPS))
+  p.add_argument('--target', default='qwen3-8b', choices=sorted(TARGETS))
+  p.add_argument('--batch', type=int, default=1)
+  p.add_argument('--context', type=int, default=1024)
+  p.add_argument('--tau', default='dflash=5.31,d2sd=7.05',
+                 help='method=tau pairs: predicted speed-up over AR at these acceptance lengths '
+                      '(default: the D2SD paper\'s Qwen3-8B means at T = 0)')
+  args = parser.parse_args()
+  if args.cmd == 'measure':
+    from d2sd_jax.formats import loaders  # pylint: disable=import-outside-toplevel
+    target = loaders.load_target(args.target)
+    d1cfg, d1, _ = load_drafter(args.drafter1, target)
+    d2cfg, d2, _ = load_drafter(args.drafter2, target)
+    gen = ar.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+    specs = candidate_specs(gen, d1cfg, d2cfg)
+    costs = measure({'target': target.params, 'drafter1': d1, 'drafter2': d2}, target.cfg, specs,
+                    args.batch, args.context, use_cache=not args.force)
+  else:
+    tcfg = TARGETS[args.target]
+    gen = ar.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+    d = paper_drafter(tcfg)
+    specs = {'dflash': SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d),
+             'd2sd': SP.SpecSettings(gen, method='d2sd', gamma=16, drafter1=d, drafter2=d,
+                                     n_branches=4)}
+    costs = predict(tcfg, CHIPS[args.chip], list(specs.values()), args.batch, args.context,
+                    sizes=sorted({1, 16, 32, 64} | {s.tree_size for s in specs.values()}))
+    print(table(costs))
+    for pair in filter(None, args.tau.split(',')):
+      method, tau = pair.split('=')
+      spec = specs[method]
+      cycle = costs.cycle(spec)
+      print(f'  {method}: tau {float(tau):.2f} over a {spec.tree_size}-node cycle of '
+            f'{1e3 * cycle:.3f} ms -> predicted speed-up over AR '
+            f'{throughput.tokens_per_s(float(tau), cycle) * costs.ar_step:.2f}x')
+    return
+  print(table(costs))
+
+
+def candidate_specs(gen, d1cfg, d2cfg) -> list[SP.SpecSettings]:
+  """The drafting configurations `costmodel measure` times: prompt lookup, drafter 1 alone,
+  and D2SD with K = 1, 2, 4 (one denoising step)."""
+  specs = [SP.SpecSettings(gen, method='dflash', gamma=d1cfg.gamma, drafter1=d1cfg)]
+  for K in (1, 2, 4):
+    specs.append(SP.SpecSettings(gen, method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg,
+                                 drafter2=d2cfg, n_branches=min(K, d1cfg.gamma - 1)))
+  specs.append(SP.SpecSettings(gen, method='pld', gamma=d1cfg.gamma))
+  return specs
+
+
+if __name__ == '__main__':
+  main()

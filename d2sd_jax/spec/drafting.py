@@ -1,0 +1,288 @@
+"""Drafting methods: each turns the speculative state into a candidate token tree.
+
+  pld              prompt lookup: what followed the last n-gram's earlier occurrence
+  dflash           drafter 1 alone: one chain of gamma-1 tokens from one block
+  dflash_resample  + K branches resampled from drafter 1's own per-position distributions
+  dflash_dflash    + K branches re-drafted by drafter 1 from its likely rejection points
+  d2sd             + K branches re-drafted by drafter 2 (the VP drafter): the method
+
+Branch points (D²SD step 2): with c_k drafter 1's confidence at position k, the probability that
+exactly i tokens are accepted is r(i) = c_1 ⋯ c_i (1 - c_{i+1}); the K largest r(i) choose the
+branches, each keeping the anchor + the first i tokens and re-drafting the rest.
+
+Deterministic drafts are verified as point masses by sample-and-match, exact for any candidate
+tree built without the target's random draws; resampled branches carry their exact proposal
+laws and are verified by recursive rejection (see tree.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.models import sampling as sampling_lib
+from d2sd_jax.spec import tree as tree_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A drafting method: one registry entry says everything the speculative step needs of it."""
+  draft: Callable[..., tree_lib.Tree]  # (params, cfg, settings, state) -> candidate Tree
+  drafters: tuple[str, ...] = ()  # parameter bundles it reads ('drafter1', 'drafter2')
+  # Candidate nodes it produces (the anchor included), before settings.tree_budget cuts them.
+  nodes: Callable[..., int] = lambda settings: settings.gamma
+  branched: bool = False  # re-drafts settings.n_branches branches (n_branches is checked)
+
+
+def _chain_and_branches(settings) -> int:
+  return settings.gamma + settings.n_branches * (settings.gamma - 1)
+
+
+REGISTRY: dict[str, Method] = {}  # filled at the bottom of this module
+
+
+def register(name: str, method: Method) -> None:
+  """Adds a drafting method (e.g. from a notebook or a test); decode.py's `method=` names it."""
+  if not isinstance(method, Method):
+    raise TypeError(f'{name}: register a drafting.Method, not {type(method).__name__}')
+  REGISTRY[name] = method
+
+
+def get(name: str) -> Method:
+  if name not in REGISTRY:
+    raise ValueError(f'method {name!r} is not one of {tuple(REGISTRY)}')
+  return REGISTRY[name]
+
+
+def pld(params, cfg, settings, state) -> tree_lib.Tree:
+  """Prompt lookup: find an earlier occurrence of the last n committed tokens (the longest n up to
+  ngram_max that occurs) and propose the gamma-1 tokens that followed it."""
+  del params, cfg
+  B, L = state.seq_BxL.shape
+  N = settings.gamma - 1
+  seq, seq_len = state.seq_BxL, state.seq_len_B
+  pos = jnp.arange(L)
+  best_start = jnp.full((B,), -1, jnp.int32)  # where the proposal starts in seq
+  for n in range(1, settings.ngram_max + 1):  # longer n overrides shorter ones
+    tail = jnp.stack([jnp.take_along_axis(seq, (seq_len - n + k)[:, None], 1)[:, 0]
+                      for k in range(n)], 1)  # [B, n]
+    ok = jnp.ones((B, L), bool)
+    for k in range(n):
+      ok &= jnp.roll(seq, -k, axis=1) == tail[:, k:k + 1]  # seq[j + k] == tail[k]
+    # The match must end before the tail starts (a following token exists).
+    ok &= (pos[None] + n <= (seq_len - 1)[:, None]) & (seq_len[:, None] > n)
+    # Among matches, the latest one whose continuation is longest (up to gamma-1 tokens): the
+    # very latest match of a repetition often has almost nothing after it yet.
+    follow = jnp.clip(seq_len[:, None] - (pos[None] + n), 0, N)
+    score = jnp.where(ok, follow * L + pos[None], -1)
+    found = jnp.max(score, axis=1) >= 0
+    best_start = jnp.where(found, jnp.argmax(score, axis=1) + n, best_start)
+  idx = best_start[:, None] + jnp.arange(N)[None]
+  draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
+  valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
+  return tree_lib.chain(state.anchor_B, draft, valid)
+
+
+def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
+             forbid_BxKxG=None):
+  """K blocks per row through drafter `name` in one pass, after the committed context
+  (forbid: a token each position may not draft, -1 for none)."""
+  B, K, G = tokens_BxKxG.shape
+  S = state.draft_caches[name][0]['k'].shape[2]
+  positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), (B, K, G))
+  ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]
+  tokens, conf, probs = drafter_lib.denoise(
+      params[name], getattr(settings, name), params['target'], cfg,
+      tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
+      positions.reshape(B, K * G), state.draft_caches[name], ctx_mask, settings.steps,
+      settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G))
+  return tokens.reshape(B, K, G), conf.reshape(B, K, G), probs.reshape(B, K, G, -1)
+
+
+def first_draft(params, cfg, settings, state):
+  """Drafter 1's block [anchor, MASK ...]: tokens, confidences, distributions ([B, G, ...])."""
+  B, G = state.seq_len_B.shape[0], settings.gamma
+  block = jnp.zeros((B, 1, G), jnp.int32).at[:, 0, 0].set(state.anchor_B)
+  is_mask = jnp.broadcast_to(jnp.arange(G) > 0, (B, 1, G))
+  tokens, conf, probs = _denoise(params, cfg, settings, state, 'drafter1', block, is_mask)
+  return tokens[:, 0], conf[:, 0], probs[:, 0]
+
+
+def dflash(params, cfg, settings, state) -> tree_lib.Tree:
+  tokens, _, _ = first_draft(params, cfg, settings, state)
+  return tree_lib.chain(state.anchor_B, tokens[:, 1:], jnp.ones_like(tokens[:, 1:], bool))
+
+
+def branch_points(conf_BxG: jax.Array, n_branches: int) -> jax.Array:
+  """The K most likely acceptance lengths i (0..gamma-2) under r(i) = c_1..c_i (1 - c_{i+1})."""
+  c = jnp.clip(conf_BxG[:, 1:], 1e-6, 1 - 1e-6)  # c_1 .. c_{G-1}
+  log_prefix = jnp.concatenate([jnp.zeros_like(c[:, :1]), jnp.cumsum(jnp.log(c), 1)[:, :-1]], 1)
+  log_r = log_prefix + jnp.log1p(-c)  # i = 0 .. G-2
+  return jax.lax.top_k(log_r, n_branches)[1].astype(jnp.int32)
+
+
+def _chain_and_cuts(params, cfg, settings, state):
+  """Drafter 1's chain, its distributions, and the K branch prefixes at the likely rejection
+  points: (chain [B, G], probs [B, G, V], cut [B, K], prefix tokens [B, K, G], keep [B, K, G],
+  first re-drafted position [B, K, G])."""
+  G, K = settings.gamma, settings.n_branches
+  chain_BxG, conf_BxG, probs_BxGxV = first_draft(params, cfg, settings, state)
+  cut_BxK = branch_points(conf_BxG, K)
+  k = jnp.arange(G)[None, None]
+  keep_BxKxG = k <= cut_BxK[..., None]  # the anchor + the first i chain tokens
+  prefix_BxKxG = jnp.where(keep_BxKxG, chain_BxG[:, None], 0)
+  first_BxKxG = k == cut_BxK[..., None] + 1
+  return chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG
+
+
+def _chain_and_redrafts(params, cfg, settings, state, name: str):
+  """Drafter 1's chain [B, G], the K cuts [B, K], the branches [B, K, G] re-drafted by drafter
+  `name` from its likely rejection points (argmax drafts: point masses) and which branches are
+  kept [B, K].
+
+  A re-drafted token equal to the chain's at the branch's first position would repeat a chain
+  node: sample-and-match could never enter the branch although it is verified. settings.redraft
+  says what to do about it:
+    'exclude'  the chain's token is forbidden at that position (the drafter's next choice);
+    'merge'    the branch is drafted freely, and while it agrees with the chain it IS the chain:
+               its cut moves down to where it first differs (fewer nodes), and it is dropped if
+               it never differs or if an earlier branch hangs the same token at that cut."""
+  chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
+      params, cfg, settings, state)
+  merge = settings.redraft == 'merge'
+  forbid_BxKxG = None if merge else jnp.where(first_BxKxG, chain_BxG[:, None], -1)
+  branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, name, prefix_BxKxG, ~keep_BxKxG,
+                                forbid_BxKxG)
+  keep_BxK = jnp.ones_like(cut_BxK, bool)
+  if merge:
+    cut_BxK, keep_BxK = merged_cuts(chain_BxG, branch_BxKxG)
+  return chain_BxG, cut_BxK, branch_BxKxG, keep_BxK
+
+
+def merged_cuts(chain_BxG, branch_BxKxG):
+  """(cut [B, K], keep [B, K]) of branches merged into the chain where they agree with it:
+  the cut is the last position of the common prefix (branch tokens up to it equal the chain's),
+  a branch equal to the chain throughout is not kept, nor one whose first token after its cut
+  repeats an earlier kept branch's at the same cut (it would be an unreachable twin)."""
+  G, K = chain_BxG.shape[1], branch_BxKxG.shape[1]
+  same_BxKxG = branch_BxKxG == chain_BxG[:, None]
+  cut_BxK = jnp.sum(jnp.cumprod(same_BxKxG, axis=2), axis=2).astype(jnp.int32) - 1
+  keep_BxK = cut_BxK < G - 1
+  first_BxK = jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, G - 1)[..., None],
+                                  2)[..., 0]
+  for k in range(1, K):  # K is small: a later twin of a kept branch is dropped
+    twin = keep_BxK[:, :k] & (cut_BxK[:, :k] == cut_BxK[:, k:k + 1]) & (
+        first_BxK[:, :k] == first_BxK[:, k:k + 1])
+    keep_BxK = keep_BxK.at[:, k].set(keep_BxK[:, k] & ~jnp.any(twin, axis=1))
+  return cut_BxK, keep_BxK
+
+
+def _redrafted(params, cfg, settings, state, name: str) -> tree_lib.Tree:
+  chain_BxG, cut_BxK, branch_BxKxG, keep_BxK = _chain_and_redrafts(params, cfg, settings, state,
+                                                                   name)
+  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size,
+                   branch_valid_BxK=keep_BxK)
+
+
+def dflash_dflash(params, cfg, settings, state) -> tree_lib.Tree:
+  """Ablation: the branches re-drafted by drafter 1 itself."""
+  return _redrafted(params, cfg, settings, state, 'drafter1')
+
+
+def d2sd(params, cfg, settings, state) -> tree_lib.Tree:
+  """The method: the branches re-drafted by drafter 2 (the variable-prefix drafter)."""
+  return _redrafted(params, cfg, settings, state, 'drafter2')
+
+
+def dflash_resample(params, cfg, settings, state) -> tree_lib.Tree:
+  """Ablation: branch tokens drawn independently from drafter 1's own distributions (the
+  drafting stream of the cycle's keys), carrying their exact laws so that verification can
+  use recursive rejection. The first re-drafted position excludes the chain's token there,
+  renormalised; a branch with no mass left (the drafter was certain of the chain's token) is
+  dropped rather than drawn from an empty law."""
+  chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
+      params, cfg, settings, state)
+  B, K, G = prefix_BxKxG.shape
+  V = probs_BxGxV.shape[-1]
+  is_chain_token = jnp.arange(V) == chain_BxG[:, None, :, None]
+  law_BxKxGxV = jnp.where(first_BxKxG[..., None] & is_chain_token, 0.0, probs_BxGxV[:, None])
+  mass_BxKxG = jnp.sum(law_BxKxGxV, axis=-1)
+  usable_BxK = jnp.all(keep_BxKxG | (mass_BxKxG > 1e-20), axis=-1)
+  law_BxKxGxV = jnp.where((mass_BxKxG > 1e-20)[..., None],
+                          law_BxKxGxV / jnp.maximum(mass_BxKxG, 1e-20)[..., None],
+                          jax.nn.one_hot(chain_BxG[:, None], V))  # never drawn from or tried
+  draft_key_B, _ = state.cycle_keys
+  # One uniform per position, inverted through the law (no vocabulary-wide Gumbel noise).
+  drawn_BxKxG = jax.vmap(lambda key, law: sampling_lib.draw(
+      jax.random.uniform(key, law.shape[:-1]), jnp.log(law)))(draft_key_B, law_BxKxGxV)
+  branch_BxKxG = jnp.where(keep_BxKxG, prefix_BxKxG, drawn_BxKxG).astype(jnp.int32)
+  return pack_tree(state.anchor_B, chain_BxG, branch_BxKxG, cut_BxK, settings.tree_size,
+                   branch_laws_BxKxGxV=law_BxKxGxV, branch_valid_BxK=usable_BxK)
+
+
+def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
+  """Beyond the paper: D2SD's tree plus prompt lookup's proposal as one more branch, verified
+  in the same pass. It hangs under the deepest chain node it agrees with, and is dropped where
+  its first new token repeats a sibling's (chain or drafter-2 branch at the same cut)."""
+  chain_BxG, cut_BxK, branch_BxKxG, keep_BxK = _chain_and_redrafts(params, cfg, settings, state,
+                                                                   'drafter2')
+  lookup = pld(params, cfg, settings, state)  # a chain tree: [anchor, proposal ...]
+  agree_BxG = jnp.cumprod(lookup.tokens_BxT == chain_BxG, axis=1).astype(bool)
+  lookup_cut_B = jnp.sum(agree_BxG, axis=1) - 1  # deepest chain node on lookup's path
+  depth = jnp.arange(settings.gamma)[None]
+  first_B = jnp.take_along_axis(lookup.tokens_BxT, jnp.minimum(lookup_cut_B + 1,
+                                                              settings.gamma - 1)[:, None], 1)[:, 0]
+  repeats = jnp.any(keep_BxK & (cut_BxK == lookup_cut_B[:, None]) &
+                    (jnp.take_along_axis(branch_BxKxG, jnp.minimum(cut_BxK + 1, settings.gamma - 1)
+                                         [..., None], 2)[..., 0] == first_B[:, None]), axis=1)
+  lookup_valid_BxG = lookup.valid_BxT & ~repeats[:, None] & (depth > lookup_cut_B[:, None])
+  keep_BxKxG = jnp.broadcast_to(keep_BxK[..., None], branch_BxKxG.shape)
+  return pack_tree(state.anchor_B, chain_BxG,
+                   jnp.concatenate([branch_BxKxG, lookup.tokens_BxT[:, None]], 1),
+                   jnp.concatenate([cut_BxK, lookup_cut_B[:, None]], 1), settings.tree_size,
+                   branch_valid_BxK=jnp.concatenate([keep_BxKxG, lookup_valid_BxG[:, None]], 1))
+
+
+def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
+              branch_laws_BxKxGxV=None, branch_valid_BxK=None) -> tree_lib.Tree:
+  """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
+  until `size` nodes: a branch of cut i hangs under chain node i (the anchor for i = 0).
+  With `branch_laws`, the tree carries each node's proposal law (chain nodes: point masses);
+  `branch_valid` ([B, K] or per position [B, K, G]) marks nodes never to be accepted."""
+  B, K, G = branches_BxKxG.shape
+  p = jnp.arange(G)
+  new = p[None, None] > cut_BxK[..., None]  # [B, K, G]
+  length = G - 1 - cut_BxK  # re-drafted tokens per branch
+  offset = G + jnp.cumsum(length, 1) - length  # first node index of each branch
+  dest = jnp.where(new, offset[..., None] + p - cut_BxK[..., None] - 1, size)  # size = dropped
+  prev = jnp.concatenate([jnp.full((B, K, 1), size), dest[..., :-1]], axis=2)
+  parent = jnp.where(p == cut_BxK[..., None] + 1, cut_BxK[..., None], prev)
+  tokens = jnp.zeros((B, size), jnp.int32).at[:, :G].set(chain_BxG.at[:, 0].set(anchor_B))
+  parents = jnp.zeros((B, size), jnp.int32).at[:, 1:G].set(jnp.arange(G - 1))
+  valid = jnp.zeros((B, size), bool).at[:, :G].set(True)
+  rows = jnp.arange(B)[:, None]
+  flat = lambda x: x.reshape(B, K * G)
+  tokens = tokens.at[rows, flat(dest)].set(flat(branches_BxKxG), mode='drop')
+  parents = parents.at[rows, flat(dest)].set(flat(parent).astype(jnp.int32), mode='drop')
+  ok = jnp.ones((B, K), bool) if branch_valid_BxK is None else branch_valid_BxK
+  ok_BxKxG = jnp.broadcast_to(ok if ok.ndim == 3 else ok[..., None], (B, K, G))
+  valid = valid.at[rows, flat(dest)].set(flat(ok_BxKxG), mode='drop')
+  q = None
+  if branch_laws_BxKxGxV is not None:
+    V = branch_laws_BxKxGxV.shape[-1]
+    q = jnp.zeros((B, size, V), jnp.float32).at[:, :G].set(jax.nn.one_hot(tokens[:, :G], V))
+    q = q.at[rows, flat(dest)].set(branch_laws_BxKxGxV.reshape(B, K * G, V), mode='drop')
+  return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid, q_BxTxV=q)
+
+
+register('pld', Method(pld))
+register('dflash', Method(dflash, drafters=('drafter1',)))
+register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_branches,
+                                   branched=True))
+register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True))
+register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
+register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
+                            lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True))

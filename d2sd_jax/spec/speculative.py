@@ -1,0 +1,334 @@
+"""Speculative decoding as one XLA program: draft -> verify (one tree-masked target pass) ->
+accept -> commit (cache compaction), repeated inside one `lax.while_loop`.
+
+Shape letters (one meaning each, here and in drafting.py, tree.py and model.py):
+  B  rows of the batch                  V  vocabulary
+  L  committed-sequence buffer          D  target width
+  S  KV-cache slots                     T  tree nodes verified per cycle (node 0 = the anchor)
+  G  gamma: block length (the anchor + G-1 drafts)
+  K  branches re-drafted per cycle      C  commit slots per cycle (= G: G-1 drafts + bonus)
+  N  a count named where used (drafts of a chain, generated tokens)
+  Hkv  KV heads; Hg query heads per KV head; hd head width; Lf feature layers
+
+The state keeps, per row, the committed sequence (prompt + generated), the target KV cache
+holding all committed tokens but the newest (the anchor of the next cycle), and counters.
+Drafting methods (drafting.py) turn the state into a candidate tree. `params` is a bundle
+{'target': ..., 'drafter1': ..., 'drafter2': ...} (drafters only where the method needs them);
+the drafters' context caches hold the target features of exactly the committed tokens, updated
+with the accepted path's features from the verification pass. The invariants the tests check:
+after every cycle the caches equal a fresh prefill of the committed tokens, and the output
+equals AR decoding.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.spec import drafting
+from d2sd_jax.spec import ar
+from d2sd_jax.models import target as model_lib
+from d2sd_jax.spec import tree as tree_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+  """Static settings of a speculative generation program."""
+  generation: ar.GenerationSettings
+  method: str = 'pld'
+  gamma: int = 8  # block length: the anchor + gamma-1 draft tokens per chain
+  ngram_max: int = 3  # pld: longest n-gram matched (falls back to shorter ones)
+  drafter1: drafter_lib.DrafterConfig | None = None
+  drafter2: drafter_lib.DrafterConfig | None = None
+  n_branches: int = 4  # K: branches re-drafted from drafter 1's likely rejection points
+  steps: int = 1  # diffusion effort: denoising passes per drafted block
+  order: str = 'confidence'  # multi-step unmasking order ('confidence' or 'left_to_right')
+  tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
+  leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
+  redraft: str = 'exclude'  # a re-draft starting with the chain's token: 'exclude' or 'merge'
+
+  def __post_init__(self):
+    method = drafting.get(self.method)  # raises, naming the known methods
+    if self.gamma < 2:
+      raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus at least one draft)')
+    if self.ngram_max < 1:
+      raise ValueError(f'ngram_max={self.ngram_max} must be >= 1')
+    for name in method.drafters:
+      dcfg = getattr(self, name)
+      if dcfg is None:
+        raise ValueError(f'method {self.method!r} needs {name}: configure its checkpoint')
+      if dcfg.gamma != self.gamma:
+        raise ValueError(f'{name} was built for gamma={dcfg.gamma}, the decode config says '
+                         f'gamma={self.gamma}: set gamma={dcfg.gamma}')
+    if method.branched and not 1 <= self.n_branches <= self.gamma - 1:
+      raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
+    if self.steps < 1:
+      raise ValueError(f'steps={self.steps} must be >= 1 (denoising passes per block)')
+    if self.order not in ('confidence', 'left_to_right'):
+      raise ValueError(f"order={self.order!r}: use 'confidence' or 'left_to_right'")
+    if self.redraft not in ('exclude', 'merge'):
+      raise ValueError(f"redraft={self.redraft!r}: use 'exclude' (forbid the chain's token at a "
+                       "branch's first position) or 'merge' (a branch follows the chain while "
+                       'it agrees)')
+    if not 0.0 <= self.leniency <= 1.0:
+      raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
+    if self.tree_budget and self.tree_budget < self.gamma:
+      raise ValueError(f'tree_budget={self.tree_budget} must be 0 (no limit) or >= gamma='
+                       f'{self.gamma} (the drafter-1 chain always fits)')
+
+  @property
+  def drafters(self) -> tuple[str, ...]:
+    return drafting.get(self.method).drafters
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """Target hidden states any drafter of this method reads."""
+    return tuple(sorted({i for n in self.drafters for i in getattr(self, n).feature_layers}))
+
+  @property
+  def tree_size(self) -> int:
+    """Nodes verified per cycle, the anchor included."""
+    full = drafting.get(self.method).nodes(self)
+    return min(full, self.tree_budget) if self.tree_budget else full
+
+  @property
+  def max_commit(self) -> int:
+    return self.gamma  # at most gamma-1 accepted draft tokens + the bonus token
+
+
+@flax.struct.dataclass
+class SpecState:
+  """Everything a cycle reads and writes; per row b, the committed tokens are
+  seq[b, :seq_len[b]] and every cache holds exactly the first seq_len[b] - 1 of them."""
+  cache: model_lib.Cache  # target K/V per layer, [B, Hkv, S, hd]; slots >= cache_len are junk
+  cache_len_B: jax.Array  # int32: committed tokens in the caches (= seq_len - 1)
+  seq_BxL: jax.Array  # int32: prompt, then generated tokens; pad_id after seq_len
+  seq_len_B: jax.Array  # int32: committed tokens; the last one is the next cycle's anchor
+  prompt_len_B: jax.Array  # int32
+  num_out_B: jax.Array  # int32: generated tokens so far (EOS included)
+  done_B: jax.Array  # bool: EOS committed or max_new_tokens reached
+  row_key_B: jax.Array  # PRNG key per row (fold_in(seed, prompt index): batch-independent)
+  cycles_B: jax.Array  # int32: verification cycles run while the row was live
+  accepted_hist_BxC: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
+  steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
+  draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
+
+  @property
+  def anchor_B(self):
+    """The last committed token: node 0 of the next tree (not yet in any cache)."""
+    return jnp.take_along_axis(self.seq_BxL, (self.seq_len_B - 1)[:, None], 1)[:, 0]
+
+  @property
+  def cycle_keys(self):
+    """(draft_key_B, accept_key_B): the two random streams of this cycle.
+
+    Each row's cycle key is fold_in(row key, committed length), so a row's draws depend on
+    neither its batch nor the cycles before. It is split once into a drafting stream (methods
+    that sample, e.g. dflash_resample, draw only from it) and an acceptance stream
+    (tree.node_keys: one key per node plus the bonus draw's). No key is in both streams."""
+    cycle_B = jax.vmap(jax.random.fold_in)(self.row_key_B, self.seq_len_B)
+    both_Bx2 = jax.vmap(lambda k: jax.random.split(k, 2))(cycle_B)
+    return both_Bx2[:, 0], both_Bx2[:, 1]
+
+
+def seq_buffer_len(prompt_len: int, settings: SpecSettings) -> int:
+  return prompt_len + settings.generation.max_new_tokens + settings.max_commit
+
+
+def cache_size_needed(prompt_len: int, settings: SpecSettings) -> int:
+  """Cache slots: every committed token + one verification tree written after them."""
+  return prompt_len + settings.generation.max_new_tokens + settings.tree_size
+
+
+def _select_features(features_BxTxNxD, settings: SpecSettings, name: str):
+  """The drafter's own feature layers, out of the union computed by the target pass."""
+  idx = [settings.feature_layers.index(i) for i in getattr(settings, name).feature_layers]
+  return drafter_lib.features_of(features_BxTxNxD[:, :, jnp.asarray(idx)])
+
+
+def _write_drafter_context(params, settings, caches, features_BxTxNxD, positions_BxT, start_B):
+  return {name: drafter_lib.write_context(
+      caches[name], params[name], getattr(settings, name),
+      _select_features(features_BxTxNxD, settings, name), positions_BxT, start_B)
+          for name in settings.drafters}
+
+
+def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, prompt_BxP,
+               prompt_len_B, row_key_B, cache_size: int) -> SpecState:
+  """Prefill the prompts (target cache and drafter contexts) and commit each row's first token."""
+  gen = settings.generation
+  B, P = prompt_BxP.shape
+  first_B, cache, feats = ar.prefill_prompts(
+      params['target'], cfg, gen, prompt_BxP, prompt_len_B, row_key_B, cache_size,
+      settings.feature_layers)
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  caches = {name: drafter_lib.init_context_cache(getattr(settings, name), B, cache_size)
+            for name in settings.drafters}
+  caches = _write_drafter_context(params, settings, caches, feats, positions,
+                                  jnp.zeros((B,), jnp.int32))
+  L = seq_buffer_len(P, settings)
+  seq = jnp.full((B, L), gen.pad_id, jnp.int32).at[:, :P].set(prompt_BxP)
+  seq = jnp.where(jnp.arange(L)[None] < prompt_len_B[:, None], seq, gen.pad_id)
+  seq = seq.at[jnp.arange(B), prompt_len_B].set(first_B)
+  done = ar.is_eos(first_B, gen.eos_ids) | (gen.max_new_tokens <= 1)
+  return SpecState(cache=cache, cache_len_B=prompt_len_B, seq_BxL=seq,
+                   seq_len_B=prompt_len_B + 1, prompt_len_B=prompt_len_B,
+                   num_out_B=jnp.ones((B,), jnp.int32), done_B=done, row_key_B=row_key_B,
+                   cycles_B=jnp.zeros((B,), jnp.int32),
+                   accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
+                   steps=jnp.zeros((), jnp.int32), draft_caches=caches)
+
+
+def prepare(params, cfg: model_lib.ModelConfig) -> dict:
+  """The bundle as the decode programs want it, with what they derive from the weights
+  computed once rather than in every cycle: each drafter's head rows and key/value rows
+  (`drafter.for_decoding`). Outputs differ from the plain bundle's only by float32 summation
+  order; `spec_loop` accepts either."""
+  out = dict(params)
+  for name in ('drafter1', 'drafter2'):
+    if name in params:
+      out[name] = drafter_lib.for_decoding(params[name], params['target'], cfg)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The cycle: keys -> draft -> verify -> accept -> commit
+
+
+def draft(params, cfg, settings: SpecSettings, state: SpecState) -> tree_lib.Tree:
+  """Drafter 1, boundaries, drafter 2 (or prompt lookup, ...): the method's registry entry."""
+  return drafting.get(settings.method).draft(params, cfg, settings, state)
+
+
+@flax.struct.dataclass
+class Verified:
+  anc_BxTxT: jax.Array  # ancestor-or-self mask of the tree
+  depth_BxT: jax.Array
+  positions_BxT: jax.Array
+  logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
+  cache: model_lib.Cache  # target cache with every node's K/V written after the context
+  features: jax.Array | None  # [B, T, Lf, D] target features of every node (drafter context)
+
+
+def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
+  """Every node in one target pass after the committed context (shared prefixes once)."""
+  anc_BxTxT, depth_BxT = tree_lib.structure(tree)
+  positions = state.cache_len_B[:, None] + depth_BxT
+  hidden, cache, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
+                                           state.cache, state.cache_len_B, anc_BxTxT,
+                                           feature_layers=settings.feature_layers)
+  return Verified(anc_BxTxT, depth_BxT, positions, model_lib.logits(params['target'], cfg, hidden),
+                  cache, feats)
+
+
+@flax.struct.dataclass
+class Accepted:
+  accept_len_B: jax.Array  # draft tokens accepted (depth of the deepest accepted node)
+  bonus_B: jax.Array  # the target's own token after them
+  path_BxC: jax.Array  # node indices from the anchor down the accepted path, padded
+
+
+def accept(settings: SpecSettings, tree: tree_lib.Tree, v: Verified, accept_key_B) -> Accepted:
+  """The longest accepted path and the bonus token (tree.py has the rules)."""
+  sampling = settings.generation.sampling
+  if settings.leniency > 0 or (tree.q_BxTxV is not None and not sampling.greedy):
+    # Recursive rejection over siblings: drafts with their laws (point masses when none),
+    # accepted with min(1, t(x)/q(x)), t = (1-λ) r + λ q.
+    _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_recursive(
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, sampling, accept_key_B,
+        leniency=settings.leniency, q_BxTxV=tree.q_BxTxV)
+  else:  # exact: sample-and-match (greedy matching at T = 0)
+    _, n_acc_B, bonus_B, path_BxT = tree_lib.accept_point_mass(
+        tree, v.anc_BxTxT, v.depth_BxT, v.logits_BxTxV, sampling, accept_key_B)
+  return Accepted(n_acc_B, bonus_B, path_BxT[:, :settings.max_commit])
+
+
+def committed_tokens(gen: ar.GenerationSettings, state: SpecState, path_tokens_BxC,
+                     acc: Accepted):
+  """What this cycle commits: the accepted drafts then the bonus, cut exactly where AR stops
+  (after an EOS, or at max_new_tokens). Returns (tokens [B, C], count [B], hit_eos [B])."""
+  C = path_tokens_BxC.shape[1]
+  j = jnp.arange(C)[None]
+  n_acc = acc.accept_len_B[:, None]
+  drafted_BxC = jnp.pad(path_tokens_BxC[:, 1:], ((0, 0), (0, 1)))  # path[0] is the anchor
+  new_BxC = jnp.where(j < n_acc, drafted_BxC, jnp.where(j == n_acc, acc.bonus_B[:, None],
+                                                           gen.pad_id))
+  is_eos_BxC = ar.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)
+  first_eos_B = jnp.min(jnp.where(is_eos_BxC, j, C), axis=1)
+  room_B = gen.max_new_tokens - state.num_out_B
+  n_commit_B = jnp.minimum(jnp.minimum(acc.accept_len_B + 1, first_eos_B + 1), room_B)
+  n_commit_B = jnp.where(state.done_B, 0, n_commit_B)
+  return new_BxC, n_commit_B, first_eos_B < n_commit_B
+
+
+def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int):
+  """Moves the K/V of the accepted path's nodes (written at cache_len + node index by the
+  verification pass) to consecutive slots cache_len + depth."""
+
+  def layer(buf_BxHkvxSxhd):
+    window_BxHkvxTxhd = model_lib.read_rows(buf_BxHkvxSxhd, cache_len_B, tree_size)
+    moved = jnp.take_along_axis(window_BxHkvxTxhd, path_BxC[:, None, :, None], axis=2)
+    return model_lib.write_rows(buf_BxHkvxSxhd, moved, cache_len_B)
+
+  return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
+
+
+def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
+           acc: Accepted) -> SpecState:
+  """Appends the committed tokens and brings every cache to exactly the committed tokens: the
+  target's by compaction, the drafters' by writing the accepted path's target features."""
+  gen = settings.generation
+  rows = jnp.arange(state.seq_BxL.shape[0])
+  live_B = ~state.done_B
+  path_tokens_BxC = jnp.take_along_axis(tree.tokens_BxT, acc.path_BxC, 1)
+  new_BxC, n_commit_B, hit_eos_B = committed_tokens(gen, state, path_tokens_BxC, acc)
+  j = jnp.arange(new_BxC.shape[1])[None]
+  seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
+      jnp.where(j < n_commit_B[:, None], new_BxC, gen.pad_id), mode='drop')
+  # Slots past the committed ones may keep stale K/V: attention never reads beyond cache_len.
+  cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)
+  draft_caches = state.draft_caches
+  if settings.drafters:
+    path_feats = jnp.take_along_axis(v.features, acc.path_BxC[:, :, None, None], axis=1)
+    path_pos = jnp.take_along_axis(v.positions_BxT, acc.path_BxC, axis=1)
+    draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
+                                          state.cache_len_B)
+  num_out = state.num_out_B + n_commit_B
+  done = state.done_B | (live_B & (hit_eos_B | (num_out >= gen.max_new_tokens)))
+  hist = state.accepted_hist_BxC.at[rows, acc.accept_len_B].add(live_B)
+  return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
+                       seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
+                       done_B=done, cycles_B=state.cycles_B + live_B,
+                       accepted_hist_BxC=hist, steps=state.steps + 1,
+                       draft_caches=draft_caches)
+
+
+def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree,
+                      v: Verified) -> SpecState:
+  """accept -> commit as one stage (what the per-stage benchmarks time)."""
+  return commit(params, settings, state, tree, v, accept(settings, tree, v, state.cycle_keys[1]))
+
+
+def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
+              state: SpecState) -> SpecState:
+  """One cycle, top to bottom."""
+  _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
+  tree = draft(params, cfg, settings, state)
+  verified = verify(params, cfg, settings, state, tree)
+  accepted = accept(settings, tree, verified, accept_key_B)
+  return commit(params, settings, state, tree, verified, accepted)
+
+
+def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
+              state: SpecState) -> SpecState:
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
+                            lambda s: spec_step(params, cfg, settings, s), state)
+
+
+def generated(state: SpecState, max_new_tokens: int):
+  """[B, max_new_tokens] generated tokens (pad after each row's end)."""
+  idx = state.prompt_len_B[:, None] + jnp.arange(max_new_tokens)[None]
+  return jnp.take_along_axis(state.seq_BxL, idx, 1)

@@ -1,0 +1,493 @@
+"""What `train.py` runs: the optax loop that trains drafter 1 or drafter 2 (the VP drafter).
+
+The frozen target's context features come either from inside the jitted step or, with
+`train.precompute_features` (the CPU recipe), from a float16 file computed once. Anchors (and,
+for the VP drafter, prefix lengths) are drawn from fold_in(seed, step), and the batch of step t
+is a pure function of (seed, t), read per host through a grain pipeline (`grain_data`): an
+interrupted run (or one stopped by SIGTERM / SIGINT, which saves first) resumed from its
+checkpoint ends with exactly the parameters of an uninterrupted one. Checkpoints are Orbax
+(params, optimizer state, the data iterator's position, step) plus JSON metadata naming the
+target they were trained for. The step runs over a ('data', 'model') mesh (`d2sd_jax.models.sharding`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from d2sd_jax.train import calibration
+from d2sd_jax.formats import checkpoints as ckpt
+from d2sd_jax import config_check
+from d2sd_jax.train import data as data_lib
+from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.train import grain_data
+from d2sd_jax.formats import loaders
+from d2sd_jax.train import losses
+from d2sd_jax.models import target as model_lib
+from d2sd_jax.models import sharding
+from d2sd_jax.formats.drafters import load_drafter
+
+KINDS = ('drafter1', 'drafter2')
+
+
+def drafter_config(config) -> drafter_lib.DrafterConfig:
+  d = config.drafter
+  return drafter_lib.DrafterConfig(
+      gamma=d.gamma, n_layers=d.n_layers, d_model=d.d_model, n_heads=d.n_heads,
+      n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, d_ff=d.d_ff,
+      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps,
+      head_vocab=d.get('head_vocab', 0))
+
+
+def validate(config) -> None:
+  """Start-up checks that name the field and the fix."""
+  config_check.check_fields(config, config_check.TRAIN_FIELDS, 'training')
+  if config.kind not in KINDS:
+    raise ValueError(f'kind={config.kind!r} is not one of {KINDS}')
+  t = config.train
+  for name in ('batch_size', 'anchors_per_seq', 'steps'):
+    if t[name] < 1:
+      raise ValueError(f'train.{name}={t[name]} must be >= 1')
+  if config.data.source not in data_lib.SOURCES:
+    raise ValueError(f'data.source={config.data.source!r}: use one of {data_lib.SOURCES}')
+  if config.data.get('prefetch', 0) < 0:
+    raise ValueError(f'data.prefetch={config.data.prefetch} must be >= 0')
+  if config.data.seq_len <= config.drafter.gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
+                     f'{config.drafter.gamma}')
+  if not 0.0 < config.loss.beta < 1.0:
+    raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
+  if config.loss.tau <= 0 or config.loss.decay <= 0:
+    raise ValueError('loss.tau and loss.decay must be > 0')
+  if not 0.0 <= config.loss.get('reveal', 0.0) <= 1.0:
+    raise ValueError(f'loss.reveal={config.loss.reveal} must be in [0, 1] (the fraction of blocks '
+                     'partly unmasked)')
+  if not 0.0 <= config.loss.get('soft', 0.0) <= 1.0:
+    raise ValueError(f'loss.soft={config.loss.soft} must be in [0, 1] (the weight of the '
+                     "target's top-k distribution against its argmax)")
+  if config.loss.get('soft', 0.0) and not config.data.get('corpus_path'):
+    raise ValueError('loss.soft needs the target\'s distributions, which only a teacher-forced '
+                     'corpus stores: set data.corpus_path (python -m d2sd_jax.train.corpus --top_k 8) '
+                     'or loss.soft=0')
+  if config.loss.get('soft', 0.0) and config.loss.get('soft_k', 8) < 1:
+    raise ValueError(f'loss.soft_k={config.loss.soft_k} must be >= 1')
+  if not 0.0 <= config.data.eval_fraction < 1.0:
+    raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
+  for name in ('log_every', 'save_every'):
+    if config[name] < 1:
+      raise ValueError(f'{name}={config[name]} must be >= 1')
+  if config.keep is not None and config.keep < 1:
+    raise ValueError(f'keep={config.keep} must be >= 1 (checkpoints kept) or None (all)')
+  if config.train.lr <= 0 or config.train.clip <= 0:
+    raise ValueError('train.lr and train.clip must be > 0')
+  if t.get('grad_accum', 1) < 1 or t.batch_size % t.get('grad_accum', 1):
+    raise ValueError(f'train.grad_accum={t.get("grad_accum")} must be >= 1 and divide '
+                     f'train.batch_size={t.batch_size}')
+  for name, value in (('dtype', config.get('dtype', 'float32')),
+                      ('train.compute_dtype', t.get('compute_dtype', 'float32'))):
+    if value not in ('float32', 'bfloat16'):
+      raise ValueError(f"{name}={value!r}: use 'float32' or 'bfloat16'")
+  drafter_config(config)  # the drafter's own checks (sizes, heads, head_vocab)
+
+
+def optimizer(config):
+  t = config.train
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, t.lr, max(1, t.warmup), max(t.steps, t.warmup + 1), end_value=t.lr * 0.1)
+  return optax.chain(optax.clip_by_global_norm(t.clip),
+                     optax.adamw(schedule, weight_decay=t.weight_decay))
+
+
+def sample_blocks(key, label_mask_BxL, config, gamma: int, evaluate: bool = False):
+  """Anchors at positions whose next token is a label (response region), + prefix lengths and
+  loss weights for this drafter kind; partly revealed blocks (loss.reveal) in training only:
+  held-out figures measure the fully masked blocks of one-step decoding."""
+  B, L = label_mask_BxL.shape
+  A = config.train.anchors_per_seq
+  k_anchor, k_prefix = jax.random.split(key)
+  ok = jnp.concatenate([label_mask_BxL[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
+  logits = jnp.where(ok, 0.0, -jnp.inf)
+  anchors = jax.random.categorical(k_anchor, logits[:, None, :], axis=-1, shape=(B, A))
+  if config.kind == 'drafter1':
+    prefix = jnp.zeros((B, A), jnp.int32)
+    weights = losses.vp_weights(jnp.zeros((1,), jnp.int32), gamma, config.loss.decay)
+    weights = jnp.broadcast_to(weights, (B, A, gamma))
+  else:
+    prior = losses.vp_prefix_prior(gamma, config.loss.beta)
+    prefix = jax.random.choice(k_prefix, gamma - 1, (B, A), p=prior).astype(jnp.int32)
+    weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau).reshape(B, A, gamma)
+  reveal = None
+  if config.loss.get('reveal', 0.0) > 0 and not evaluate:  # partly unmasked (multi-step)
+    reveal = losses.random_reveal(jax.random.fold_in(key, 7), (B, A, gamma), prefix,
+                                  config.loss.reveal)
+  return anchors.astype(jnp.int32), prefix, weights, reveal
+
+
+def target_features(tparams, tcfg, dcfg, tokens_BxL):
+  """The drafter's input features [B, L, F] of a batch of sequences, from one target pass."""
+  B, L = tokens_BxL.shape
+  _, _, feats = model_lib.forward(tparams, tcfg, tokens_BxL,
+                                  jnp.broadcast_to(jnp.arange(L), (B, L)),
+                                  model_lib.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
+                                  feature_layers=dcfg.feature_layers, fresh=True)
+  return drafter_lib.features_of(feats)
+
+
+def make_train_step(config, tcfg, dcfg, opt):
+  """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
+  float dtype) or None, in which case the frozen target computes them inside the step.
+
+  Mixed precision: the optimizer keeps float32 master weights; with train.compute_dtype =
+  'bfloat16' the loss casts them (and the features) to bfloat16, so the drafter's matmuls run in
+  bfloat16 and the gradients flow back to the float32 masters. train.grad_accum = k splits the
+  batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
+  divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
+  drafter layer in the backward pass instead of storing its activations."""
+  t = config.train
+  compute = t.get('compute_dtype', 'float32')
+  accum, remat = t.get('grad_accum', 1), t.get('remat', False)
+  cdcfg = dataclasses.replace(dcfg, dtype=compute)
+
+  soft = config.loss.get('soft', 0.0)
+
+  def loss_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats,
+              calibrate=False, normalizer=None):
+    if feats is None:
+      feats = target_features(tparams, tcfg, dcfg, tokens)
+    feats = jax.lax.stop_gradient(feats.astype(compute))
+    params = {**jax.tree.map(lambda x: x.astype(compute), trainable), **fixed}
+    anchors, prefix, weights, reveal = blocks
+    return losses.drafter_loss(params, cdcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
+                               prefix, weights, calibrate, reveal, normalizer, remat,
+                               label_ids_BxL=targets.get('label_ids'),
+                               topk=(targets['topk_ids'], targets['topk_probs']) if soft else None,
+                               soft=soft)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats):
+    micro = lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+
+    def one(grads, xs):
+      (_, m), g = grad_fn(trainable, fixed, tparams, *xs, normalizer=1.0)
+      return jax.tree.map(jnp.add, grads, g), m
+
+    xs = jax.tree.map(micro, (tokens, label_mask, targets, blocks, feats))
+    grads, ms = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, trainable), xs)
+    weight = jnp.maximum(jnp.sum(ms['weight']), 1e-9)
+    counts = jnp.sum(ms['count_by_pos'], 0)
+    metrics = {'loss': jnp.sum(ms['loss']) / weight, 'weight': weight, 'count_by_pos': counts,
+               'acc_by_pos': jnp.sum(ms['acc_by_pos'] * ms['count_by_pos'], 0) / jnp.maximum(
+                   counts, 1)}
+    return jax.tree.map(lambda g: g / weight, grads), metrics
+
+  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None):
+    targets = targets or {}
+    trainable, fixed = drafter_lib.split_fixed(dparams)
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
+    if accum == 1:
+      (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
+                                    feats)
+    else:
+      grads, metrics = accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
+                                   feats)
+    updates, opt_state = opt.update(grads, opt_state, trainable)
+    metrics['grad_norm'] = optax.tree.norm(grads)
+    return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
+
+  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None):
+    trainable, fixed = drafter_lib.split_fixed(dparams)
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma, evaluate=True)
+    return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
+                   calibrate=True)[1]
+
+  return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+
+
+def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
+                        batch: int = 8, progress: bool = True) -> np.ndarray:
+  """Target features of every training/eval window, computed once and kept as a float16 file
+  (memory-mapped) that resumed runs reuse: on a CPU the teacher pass costs about as much as the
+  drafter's whole training step, and every epoch would otherwise repeat it. The file name is a
+  hash of the windows, the feature layers and the target's weights, so stale features are never
+  read."""
+  key = hashlib.sha256(tokens_NxL.tobytes() + repr(dcfg.feature_layers).encode() +
+                       ckpt.target_fingerprint(target).encode()).hexdigest()[:16]
+  path = os.path.join(directory, f'features-{key}.npy')
+  N, L = tokens_NxL.shape
+  F = len(dcfg.feature_layers) * target.cfg.d_model
+  if os.path.exists(path):
+    feats = np.load(path, mmap_mode='r')
+    if feats.shape == (N, L, F):
+      return feats
+  os.makedirs(directory, exist_ok=True)
+  tmp = path + '.tmp'
+  out = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.float16, shape=(N, L, F))
+  fn = jax.jit(lambda p, t: target_features(p, target.cfg, dcfg, t).astype(jnp.float16))
+  for i in tqdm(range(0, N, batch), desc='target features', mininterval=10, disable=not progress):
+    rows = tokens_NxL[i:i + batch]
+    pad = batch - len(rows)
+    rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
+    out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
+  out.flush()
+  del out
+  os.replace(tmp, path)  # complete files only
+  return np.load(path, mmap_mode='r')
+
+
+class Rows:
+  """Row lookup over arrays stacked along their first axis (precomputed features of a main
+  source then a corpus), without copying them into one."""
+
+  def __init__(self, parts):
+    self.parts = parts
+    self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+  def __len__(self):
+    return int(self.starts[-1])
+
+  def __getitem__(self, rows) -> np.ndarray:
+    rows = np.asarray(rows)
+    part = np.searchsorted(self.starts, rows, side='right') - 1
+    out = np.empty((len(rows),) + self.parts[0].shape[1:], self.parts[0].dtype)
+    for p in np.unique(part):
+      pick = part == p
+      out[pick] = self.parts[p][rows[pick] - self.starts[p]]
+    return out
+
+
+class StopRequest:
+  """SIGTERM / SIGINT during training: finish the step, save a checkpoint, return. A preempted
+  pod job or a Ctrl-C loses nothing; rerunning the command resumes exactly."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # handlers only work there
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
+  """Trains (or resumes) the run in config.workdir. `on_step(step)` is called after each
+  completed step (tests use it)."""
+  validate(config)
+  sharding.maybe_initialize_distributed(config.get('distributed', False))
+  mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}
+  mesh = sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'])
+  sharding.check_batch(mesh, config.train.batch_size)
+  chief = jax.process_index() == 0  # logs and progress from one process (Orbax saves from all)
+  # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
+  # bfloat16 never exists whole in float32, nor on one device).
+  target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
+  dcfg = drafter_config(config)
+  dcfg.check_target(target.cfg)
+  # Every record is checked here, before training: a malformed one names its file and line.
+  soft_k = config.loss.get('soft_k', 8) if config.loss.get('soft', 0.0) else 0
+  data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
+  opt = optimizer(config)
+  train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
+
+  workdir = os.path.abspath(config.workdir)
+  manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
+  meta = ckpt.checkpoint_metadata(config.kind, config.target, target, dcfg)
+  dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
+  if dcfg.head_vocab:
+    dparams['head_ids'] = drafter_lib.choose_head_ids(
+        *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
+  dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))  # follows p's sharding
+  rows = sharding.process_rows(config.train.batch_size)
+  train_batches = grain_data.iterator(
+      grain_data.batches(data, 'train', config.train.batch_size, config.train.seed, rows,
+                         max(config.train.steps, manager.latest_step() or 0)),
+      config.data.get('prefetch', 2))
+  start = 0
+  if manager.latest_step() is not None:
+    start = manager.latest_step()
+    opt_state = init_opt(dparams)
+    items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
+    dparams, opt_state = items['params'], items['opt_state']
+    saved_meta = manager.restore(start, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))['meta']
+    if 'confidence_temperature' in saved_meta:
+      meta['confidence_temperature'] = saved_meta['confidence_temperature']
+    data_from = grain_data.restore(manager, start, train_batches)
+    if chief:
+      print(f'resumed from step {start}' + ('' if data_from == 'checkpoint' else
+                                            ' (data position from the step)'), flush=True)
+  else:
+    if config.get('init_from'):
+      dparams = initial_params(config.init_from, target, dcfg, dparams)
+      dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
+    opt_state = init_opt(dparams)
+  feats = {'train': None, 'eval': None}
+  features_dir = os.path.abspath(config.data.get('features_dir') or os.path.join(workdir,
+                                                                                 'features'))
+  if config.train.get('precompute_features'):
+    for split in feats:
+      if data.size(split):  # one file per part (a corpus added later reuses the main file)
+        feats[split] = Rows([precompute_features(target, dcfg, tokens,
+                                                 os.path.join(features_dir, split),
+                                                 progress=config.progress_bar and chief)
+                             for tokens in data.token_arrays(split)])
+
+  def on_device(batch, split):
+    """This process's rows of a global batch (from grain) as arrays sharded over 'data'; the
+    features of its windows looked up by window index. Returns (tokens, label mask, features,
+    targets: label_ids and the soft labels, if any)."""
+    f = None if feats[split] is None else sharding.global_batch(mesh, feats[split][batch['index']])
+    targets = {k: sharding.global_batch(mesh, batch[k])
+               for k in ('label_ids', 'topk_ids', 'topk_probs') if k in batch}
+    return (sharding.global_batch(mesh, batch['tokens']),
+            sharding.global_batch(mesh, batch['labels']), f, targets)
+
+  eval_batches = grain_data.batches(data, 'eval', config.train.batch_size, 0, rows,
+                                    max(1, data.size('eval') // config.train.batch_size)
+                                    ) if data.size('eval') else None
+
+  def save(step):
+    manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(dparams), opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave(meta), **{grain_data.ITEM: grain_data.checkpoint_save(
+            train_batches)}), force=True)
+
+  log = MetricsLog(workdir, enabled=chief)
+  key0 = jax.random.PRNGKey(config.train.seed)
+  B, L = config.train.batch_size, config.data.seq_len
+  last = {}
+  t0, tokens_done = time.time(), 0
+  bar = tqdm(range(start, config.train.steps), initial=start, total=config.train.steps,
+             disable=not (config.progress_bar and chief))
+  with StopRequest() as stop:
+    for step in bar:
+      tokens, labels, f, targets = on_device(next(train_batches), 'train')
+      dparams, opt_state, metrics = train_step(dparams, opt_state, target.params, tokens, labels,
+                                               jax.random.fold_in(key0, step), f, targets)
+      tokens_done += B * L
+      done = step + 1
+      final = done == config.train.steps
+      if done % config.log_every == 0 or final:
+        metrics = jax.device_get(metrics)
+        loss = float(metrics['loss'])
+        if not math.isfinite(loss):
+          raise FloatingPointError(
+              f'loss is {loss} at step {done}: lower train.lr or raise train.warmup; the last '
+              f'good checkpoint is step {manager.latest_step()} in {manager.directory}')
+        last = {'step': done, 'loss': loss, 'grad_norm': float(metrics['grad_norm']),
+                'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
+                'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
+        bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
+        log.write(done, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
+                               'train/acc_pos1': last['acc_by_pos'][1],
+                               'train/tokens_per_s': last['tokens_per_s']})
+      if config.eval_every and (done % config.eval_every == 0 or final) and data.size('eval'):
+        last['eval'] = evaluate(eval_step, dparams, target, data, config, key0,
+                                lambda i: on_device(eval_batches[i], 'eval'))
+        meta['confidence_temperature'] = last['eval']['confidence_temperature']
+        ev = last['eval']
+        log.write(done, {'step': done, 'eval': ev},
+                  {'eval/loss': ev['loss'], 'eval/tau_estimate': ev['tau_estimate'],
+                   'eval/ece': ev['ece'], 'eval/ece_calibrated': ev['ece_calibrated']})
+      if on_step is not None:
+        on_step(done)
+      if done % config.save_every == 0 or final or stop.signum is not None:
+        save(done)
+      if stop.signum is not None:
+        manager.wait_until_finished()
+        name = signal.Signals(stop.signum).name
+        print(f'\n{name}: stopped after step {done}; checkpoint saved in {manager.directory}. '
+              'Rerun the same command to resume.', flush=True)
+        last['stopped_by'] = name
+        break
+  manager.wait_until_finished()
+  log.close()
+  last['params'] = dparams
+  return last
+
+
+class MetricsLog:
+  """Metrics as JSON lines (metrics.jsonl) and TensorBoard event files (tb/) in the workdir."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self.enabled = enabled
+    self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.tb = SummaryWriter(os.path.join(workdir, 'tb')) if enabled else None
+
+  def write(self, step: int, record: dict, scalars: dict):
+    if not self.enabled:
+      return
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+    for name, value in scalars.items():
+      self.tb.add_scalar(name, value, step)
+    self.tb.flush()
+
+  def close(self):
+    if self.tb is not None:
+      self.tb.close()
+
+
+def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
+  """Parameters of another drafter (e.g. drafter 1 to start drafter 2) as this run's start;
+  the architecture must match."""
+  src_cfg, src, _ = load_drafter(path, target)
+  mismatch = [f for f in ('gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim',
+                          'd_ff', 'feature_layers', 'head_vocab')
+              if getattr(src_cfg, f) != getattr(dcfg, f)]
+  if mismatch:
+    raise ValueError(f'init_from={path!r} has a different drafter architecture ({mismatch}): '
+                     'set the same drafter.* fields or drop init_from')
+  print(f'initialised from {path}', flush=True)
+  return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), src, dparams)
+
+
+def evaluate(eval_step, dparams, target, data, config, key0, batch_of) -> dict:
+  """Held-out loss, per-position agreement and the acceptance length it implies for one chain
+  (tau ≈ 1 + sum_k prod_{j<=k} acc_j, treating positions as independent)."""
+  B = config.train.batch_size
+  n = max(1, data.size('eval') // B)
+  acc_sum, cnt_sum, loss_sum, calib = 0, 0, 0.0, 0
+  for i in range(n):
+    tokens, labels, f, targets = batch_of(i)
+    m = jax.device_get(eval_step(dparams, target.params, tokens, labels,
+                                 jax.random.fold_in(key0, 10**9 + i), f, targets))
+    acc_sum = acc_sum + m['acc_by_pos'] * m['count_by_pos']
+    cnt_sum = cnt_sum + m['count_by_pos']
+    loss_sum += float(m['loss'])
+    calib = calib + m['calibration']
+  acc = acc_sum / np.maximum(cnt_sum, 1)
+  tau = 1.0 + float(np.sum(np.cumprod(acc[1:])))
+  temperature, ece_after, ece_before = calibration.fit_temperature(calib)
+  best = list(calibration.TEMPERATURES).index(temperature)
+  return {'loss': loss_sum / n, 'acc_by_pos': [round(float(a), 4) for a in acc],
+          'tau_estimate': round(tau, 3), 'ece': round(ece_before, 4),
+          'confidence_temperature': temperature, 'ece_calibrated': round(ece_after, 4),
+          'reliability_calibrated': calibration.reliability(calib[best])}
