@@ -109,8 +109,8 @@ def _bumped(params, tick):
 
 def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
   """The cycle's stages on one post-prefill state, each its own loop program."""
-  draft = jax.jit(SP.draft, static_argnums=(1, 2))
-  verify = jax.jit(SP.verify, static_argnums=(1, 2))
+  draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
+  verify = jax.jit(SP.verify, static_argnames=('cfg', 'settings'))
   copy = lambda tree: jax.tree.map(jnp.copy, tree)
   tree = draft(params, cfg, settings, state)
   verified = verify(params, cfg, settings, state, tree)
@@ -153,14 +153,14 @@ def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
 def ar_stage(params, cfg, gen, prompt_BxP, lens_B, cache_size) -> Stage:
   """decode_step after the prefill, each iteration on the last one's state (one token each)."""
   B = prompt_BxP.shape[0]
-  state = jax.jit(AR.prefill, static_argnums=(1, 2, 6))(params, cfg, gen, prompt_BxP, lens_B,
-                                                       AR.row_keys(0, range(B)), cache_size)
+  prefill = jax.jit(AR.prefill, static_argnames=('cfg', 'settings', 'cache_size'))
+  state = prefill(params, cfg, gen, prompt_BxP, lens_B, AR.row_keys(0, range(B)), cache_size)
   return Stage(lambda s, p: AR.decode_step(p, cfg, gen, s), state, params)
 
 
 def spec_state(bundle, cfg, settings, prompt_BxP, lens_B, cache_size):
   B = prompt_BxP.shape[0]
-  return jax.jit(SP.init_state, static_argnums=(1, 2, 6))(
+  return jax.jit(SP.init_state, static_argnames=('cfg', 'settings', 'cache_size'))(
       bundle, cfg, settings, prompt_BxP, lens_B, AR.row_keys(0, range(B)), cache_size)
 
 

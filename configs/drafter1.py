@@ -32,7 +32,7 @@ def get_config():
   # or 'conversations' (a JSONL of ShareGPT / OpenAI conversations: its assistant turns)
   c.data.source = 'shards'
   c.data.path = 'data/distill'  # 'shards': the folder; 'conversations': the JSONL file
-  c.data.tfds_dir = 'data/tfds'  # python -m d2sd_jax.train.tfds_data --shards data/distill --data_dir ...
+  c.data.tfds_dir = 'data/tfds'  # python scripts/prepare_tfds.py --shards data/distill --data_dir ...
   c.data.tfds_name = 'd2sd_distill'  # the TFDS dataset (name[/config][:version]) in tfds_dir
   c.data.tfds_split = 'train'  # its split (the eval set is held out of it by record id)
   c.data.text_field = 'text'  # a dataset without prompt_ids/response_ids: its text feature
@@ -40,7 +40,7 @@ def get_config():
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
   c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
   c.data.features_dir = ''  # precomputed teacher features ('' = workdir/features); runs share it
-  # A teacher-forced corpus (python -m d2sd_jax.train.corpus --seq_len 320): text labelled with the
+  # A teacher-forced corpus (python scripts/corpus.py --seq_len 320): text labelled with the
   # target's own next-token predictions, mixed into the training windows ('' = none)
   c.data.corpus_path = ''
   c.data.corpus_windows = 0  # corpus windows used (its first N; 0 = all): the mix

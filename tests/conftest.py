@@ -1,5 +1,6 @@
 import functools
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -14,6 +15,17 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as model_lib
 
 jax.config.update('jax_enable_x64', False)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name: str):
+  """The command-line program scripts/NAME.py as a module (its main() and parser)."""
+  spec = importlib.util.spec_from_file_location(f'scripts_{name}',
+                                                os.path.join(ROOT, 'scripts', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 TINY = model_lib.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                              head_dim=8, d_ff=48, rope_base=10000.0, norm_eps=1e-6)

@@ -19,7 +19,6 @@ from conftest import TINY, tiny_params  # pylint: disable=wrong-import-position
 import spec_helpers  # pylint: disable=wrong-import-position
 
 from d2sd_jax.spec import ar as AR  # pylint: disable=wrong-import-position
-from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.models import sharding  # pylint: disable=wrong-import-position
 from d2sd_jax.spec import speculative as SP  # pylint: disable=wrong-import-position
 

@@ -140,10 +140,10 @@ def trained_bundle(tiny, steps: int = 400):
 
 @functools.lru_cache(maxsize=None)
 def jitted():
-  return (jax.jit(AR.decode, static_argnums=(1, 2, 6)),
-          jax.jit(SP.init_state, static_argnums=(1, 2, 6)),
-          jax.jit(SP.spec_loop, static_argnums=(1, 2)),
-          jax.jit(SP.spec_step, static_argnums=(1, 2)))
+  return (jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size')),
+          jax.jit(SP.init_state, static_argnames=('cfg', 'settings', 'cache_size')),
+          jax.jit(SP.spec_loop, static_argnames=('cfg', 'settings')),
+          jax.jit(SP.spec_step, static_argnames=('cfg', 'settings')))
 
 
 def ar_outputs(cfg, target_params, prompts, gen: AR.GenerationSettings, seed=0):
@@ -170,9 +170,11 @@ def run_both(cfg, params, prompts, spec, seed=0):
 
 def _stage_programs():
   """Fresh jitted stages (not cached across calls: a mutated module must be traced anew)."""
-  return (jax.jit(SP.init_state, static_argnums=(1, 2, 6)),
-          jax.jit(SP.draft, static_argnums=(1, 2)), jax.jit(SP.verify, static_argnums=(1, 2)),
-          jax.jit(SP.accept, static_argnums=(0,)), jax.jit(SP.commit, static_argnums=(1,)))
+  return (jax.jit(SP.init_state, static_argnames=('cfg', 'settings', 'cache_size')),
+          jax.jit(SP.draft, static_argnames=('cfg', 'settings')),
+          jax.jit(SP.verify, static_argnames=('cfg', 'settings')),
+          jax.jit(SP.accept, static_argnames=('settings',)),
+          jax.jit(SP.commit, static_argnames=('settings',)))
 
 
 def assert_caches_fresh(cfg, bundle, spec, state):
@@ -388,7 +390,7 @@ def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3):
                          method='d2sd', gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
                          n_branches=3)
   init, draft, _, _, _ = _stage_programs()
-  step = jax.jit(SP.spec_step, static_argnums=(1, 2))
+  step = jax.jit(SP.spec_step, static_argnames=('cfg', 'settings'))
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
   state = init(bundle, cfg, spec, block, lens, AR.row_keys(0, range(3)),
                SP.cache_size_needed(block.shape[1], spec))

@@ -10,7 +10,7 @@ from d2sd_jax.models import sampling as S
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60], [12], [40, 41, 42, 43], [7, 7, 7, 7, 7, 7, 7, 7, 7, 30],
            [3, 60, 2], [50, 1, 50, 2, 50, 3, 50, 4, 50, 5, 50, 6, 50], [9, 8]]
-run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
+run = jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size'))
 
 
 def alone(cfg, params, settings, prompt, row, seed=0):

@@ -58,11 +58,11 @@ def test_corpus_labels_are_the_target_prediction_for_each_position(tiny_target, 
 
 def test_corpus_errors_name_the_problem(tiny_target, corpus_dir, tmp_path):
   with pytest.raises(ValueError, match=r'windows of 24 tokens but data.seq_len=32: rebuild it '
-                     r'with python -m d2sd_jax.train.corpus --seq_len 32'):
+                     r'with python scripts/corpus.py --seq_len 32'):
     data_lib.CorpusWindows(corpus_dir, 32)
   with pytest.raises(ValueError, match='outside the target\'s vocabulary of 50'):
     data_lib.CorpusWindows(corpus_dir, L, vocab_size=50)
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.corpus --out'):
+  with pytest.raises(FileNotFoundError, match='python scripts/corpus.py --out'):
     data_lib.CorpusWindows(str(tmp_path), L)
   broken = tmp_path / 'broken'
   broken.mkdir()

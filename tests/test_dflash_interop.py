@@ -31,6 +31,7 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as M
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.formats.drafters import load_drafter
+from conftest import load_script
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'dflash_tiny')
 DRAFTER_DIR = os.path.join(FIXTURE, 'drafter')
@@ -269,7 +270,7 @@ def test_import_export_reproduces_the_reference_folder(target, ref, tmp_path):
     sys_argv = sys.argv
     sys.argv = ['dflash_format', *argv, '--target', target_dir]
     try:
-      DF.main()
+      load_script('dflash').main()
     finally:
       sys.argv = sys_argv
   _, _, meta = load_drafter(orbax_dir, target)  # ours now: tied to the target's fingerprint

@@ -15,6 +15,7 @@ from d2sd_jax.formats import conversations
 from d2sd_jax.train import distill
 from d2sd_jax.spec import ar as AR
 from d2sd_jax.formats import loaders
+from conftest import ROOT, load_script
 
 LINES = [
     {'prompt': 'Sort a list.'},
@@ -29,7 +30,7 @@ LINES = [
 ]
 
 
-_generate = jax.jit(AR.decode, static_argnums=(1, 2, 6))
+_generate = jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size'))
 
 
 def write_jsonl(path, lines):
@@ -162,7 +163,8 @@ def test_teacher_settings_come_from_the_config_then_the_flags(tmp_path):
       '  return ml_collections.ConfigDict({"target": "/ckpt/t", "dtype": "bfloat16", '
       '"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 3, "chat_template_kwargs": '
       '\'{"enable_thinking": false}\', "mesh": {"data": 2, "model": 4}, "method": "d2sd"})\n')
-  settings = lambda *argv: distill.teacher_settings(distill.arg_parser().parse_args(list(argv)))
+  settings = lambda *argv: distill.teacher_settings(
+      load_script('distill').arg_parser().parse_args(list(argv)))
   assert settings() == {'target': 'smollm2', 'dtype': 'float32', 'temperature': 0.0, 'top_k': 0,
                         'top_p': 1.0, 'seed': 0, 'chat_template_kwargs': {},
                         'mesh': {'data': -1, 'model': 1}}
@@ -188,14 +190,14 @@ def test_distill_samples_with_the_settings_and_refuses_others_on_resume(tiny_fol
   argv = ['--out', out, '--prompts', prompts, '--target', tiny_folder, '--max_new_tokens', '6',
           '--max_prompt_tokens', '100', '--length_bounds', '100', '--batch_size', '2',
           '--prompt_bucket', '128', '--shard_size', '4', '--temperature', '1.0', '--seed', '7']
-  distill.main(argv)
+  load_script('distill').main(argv)
   settings = json.loads((tmp_path / 'out' / 'settings.json').read_text())
   assert (settings['temperature'], settings['seed'], settings['target']) == (1.0, 7, tiny_folder)
   records = read_shard(f'{out}/shard-00000.jsonl.gz')
   target = loaders.load_target(tiny_folder)
   assert any(r['response_ids'] != ar_alone(target, r['prompt_ids']) for r in records)
   with pytest.raises(SystemExit):
-    distill.main(argv[:-4] + ['--temperature', '0'])
+    load_script('distill').main(argv[:-4] + ['--temperature', '0'])
   assert 'was distilled with seed=7, temperature=1.0, not seed=0, temperature=0.0' in \
       capsys.readouterr().err
 
@@ -208,8 +210,8 @@ def test_distill_on_a_model_parallel_mesh_gives_the_same_responses(tiny_folder, 
   responses = {}
   for name, extra in (('one', []), ('mesh', ['--mesh_model', '2'])):
     out = str(tmp_path / name)
-    subprocess.run([sys.executable, '-m', 'd2sd_jax.train.distill', '--out', out, '--prompts', prompts,
-                    '--target', tiny_folder, '--max_new_tokens', '6', '--max_prompt_tokens',
+    subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'distill.py'), '--out', out,
+                    '--prompts', prompts, '--target', tiny_folder, '--max_new_tokens', '6', '--max_prompt_tokens',
                     '100', '--length_bounds', '100', '--batch_size', '2', '--prompt_bucket',
                     '128', '--shard_size', '4', *extra], check=True, capture_output=True,
                    env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})

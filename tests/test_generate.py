@@ -9,7 +9,7 @@ from d2sd_jax.spec import ar as AR
 from d2sd_jax.models import sampling as S
 from spec_helpers import full_last_logits
 
-run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
+run = jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size'))
 
 
 def reference_greedy(cfg, params, prompt, n, eos_ids=()):
@@ -82,7 +82,7 @@ def test_generation_runs_without_host_transfers(tiny):
   settings = AR.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0)
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
   keys = AR.row_keys(0, range(3))
-  compiled = jax.jit(AR.decode, static_argnums=(1, 2, 6)).lower(
+  compiled = jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size')).lower(
       params, cfg, settings, block, lens, keys, 16).compile()
   # The decode loop is an XLA while loop inside the one program, not a Python loop.
   assert 'while' in compiled.as_text()

@@ -153,7 +153,7 @@ def test_smollm2_greedy_matches_reference_batched(smollm2):
   cases = reference()['generation_cases']
   prompts, lens = AR.pad_prompts([c['prompt_ids'] for c in cases], smollm2.tokenizer.pad_id)
   settings = AR.GenerationSettings(max_new_tokens=32, eos_ids=(), pad_id=smollm2.tokenizer.pad_id)
-  run = jax.jit(AR.decode, static_argnums=(1, 2, 6))
+  run = jax.jit(AR.decode, static_argnames=('cfg', 'settings', 'cache_size'))
   state = run(smollm2.params, smollm2.cfg, settings, prompts, lens,
               AR.row_keys(0, range(len(cases))), prompts.shape[1] + 32)
   for b, case in enumerate(cases):

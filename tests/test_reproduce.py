@@ -111,3 +111,32 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   md = subprocess.run([sys.executable, script, '--markdown', '--out', str(out)], cwd=root,
                       capture_output=True, text=True, timeout=600, check=True).stdout
   assert '| d2sd_pld |' in md and '| steps | λ |' in md and 'calibration:' in md
+
+
+def test_the_readme_and_results_page_hold_the_tables_the_command_prints():
+  """README.md's headline table and docs/results.md's tables are what `reproduce.py --markdown
+  --write` writes from results/*.json, and every section names the run that measured it."""
+  root = os.path.dirname(os.path.dirname(__file__))
+  out = os.path.join(root, 'results')
+  assert reproduce.generated(os.path.join(root, 'README.md')) == reproduce.headline(out)
+  assert reproduce.generated(os.path.join(root, 'docs', 'results.md')) == reproduce.markdown(
+      out).strip('\n')
+  with open(os.path.join(out, 'reproduce.json')) as f:
+    runs = json.load(f)['runs']
+  assert set(runs) == set(reproduce.SECTIONS)
+  assert all(r['date'] and r['machine'] and r['command'].startswith(
+      'python benchmarks/reproduce.py') for r in runs.values())
+  assert '(ladder: ' in reproduce.headline(out) and 'no run record' not in reproduce.markdown(out)
+
+
+def test_generated_blocks_are_replaced_and_nothing_else(tmp_path):
+  page = tmp_path / 'p.md'
+  page.write_text(f'intro\n{reproduce.BEGIN}\nold table\n{reproduce.END}\noutro\n')
+  reproduce.replace_generated(str(page), '| new |')
+  assert page.read_text() == f'intro\n{reproduce.BEGIN}\n| new |\n{reproduce.END}\noutro\n'
+  page.write_text('no markers\n')
+  with pytest.raises(SystemExit, match='needs one'):
+    reproduce.replace_generated(str(page), 'x')
+  record = reproduce.run_record(['--only', 'pareto'])
+  assert record['command'] == 'python benchmarks/reproduce.py --only pareto'
+  assert record['machine'] and record['date'].endswith('UTC')

@@ -7,7 +7,6 @@ import json
 
 import ml_dtypes
 import numpy as np
-import pytest
 from safetensors.numpy import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,12 +1,10 @@
 """The speculative step: equal to AR (every method), caches equal a fresh prefill, one program."""
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.models import drafter as D
 from d2sd_jax.spec import drafting
 from d2sd_jax.spec import ar as AR
 from d2sd_jax.models import target as M
@@ -123,7 +121,8 @@ def test_one_program_without_host_transfers(tiny):
   _, init, _, _ = jitted()
   bundle = {'target': params}
   state = init(bundle, cfg, spec, block, lens, keys, SP.cache_size_needed(block.shape[1], spec))
-  loop = jax.jit(SP.spec_loop, static_argnums=(1, 2)).lower(bundle, cfg, spec, state).compile()
+  loop = jax.jit(SP.spec_loop, static_argnames=('cfg', 'settings')).lower(
+      bundle, cfg, spec, state).compile()
   assert 'while' in loop.as_text()
   with jax.transfer_guard('disallow'):
     out = loop(bundle, state)
@@ -271,7 +270,7 @@ def test_resampled_branch_of_a_certain_drafter_is_dropped_not_nan(tiny, trained,
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
   state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(3)),
                SP.cache_size_needed(block.shape[1], spec))
-  tree = jax.jit(SP.draft, static_argnums=(1, 2))(trained, cfg, spec, state)
+  tree = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))(trained, cfg, spec, state)
   assert np.isfinite(np.asarray(tree.q_BxTxV)).all()
   assert not np.asarray(tree.valid_BxT[:, spec.gamma:]).any()  # every branch dropped
   _, sp, _ = run_both(cfg, trained, PROMPTS, spec)

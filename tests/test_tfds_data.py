@@ -71,14 +71,14 @@ def test_prepare_regenerates(shards, tmp_path):
 def test_empty_shards_folder(tmp_path):
   empty = tmp_path / 'nothing'
   empty.mkdir()
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.distill') as e:
+  with pytest.raises(FileNotFoundError, match='python scripts/distill.py') as e:
     tfds_data.prepare(str(empty), str(tmp_path / 'tfds'))
   assert str(empty) in str(e.value)
   assert not (tmp_path / 'tfds').exists()  # failed before creating anything
 
 
 def test_read_unprepared(tmp_path):
-  with pytest.raises(FileNotFoundError, match='python -m d2sd_jax.train.tfds_data'):
+  with pytest.raises(FileNotFoundError, match='python scripts/prepare_tfds.py'):
     tfds_data.read_records(str(tmp_path / 'tfds'))
 
 

@@ -35,7 +35,7 @@ class Runner:
   def _compiled_prefill(self, prompts, lens, keys):
     if prompts.shape not in self._prefill:
       t = time.perf_counter()
-      fn = jax.jit(self._prefill_fn, static_argnums=(1, 2, 6))
+      fn = jax.jit(self._prefill_fn, static_argnames=('cfg', 'settings', 'cache_size'))
       self._prefill[prompts.shape] = fn.lower(self.params, self.cfg, self._static, prompts, lens,
                                               keys, self.cache_size).compile()
       self.compile_s += time.perf_counter() - t
@@ -44,7 +44,7 @@ class Runner:
   def _compiled_loop(self, state, shape):
     if shape not in self._loop:
       t = time.perf_counter()
-      fn = jax.jit(self._loop_fn, static_argnums=(1, 2), donate_argnums=(3,))
+      fn = jax.jit(self._loop_fn, static_argnames=('cfg', 'settings'), donate_argnames=('state',))
       self._loop[shape] = fn.lower(self.params, self.cfg, self._static, state).compile()
       self.compile_s += time.perf_counter() - t
     return self._loop[shape]
@@ -85,9 +85,9 @@ class SpecRunner(Runner):
     params, cfg, st = self.params, self.cfg, self.settings
     state = self._compiled_prefill(prompts_BxP, lens_B, keys_B)(params, prompts_BxP, lens_B,
                                                                  keys_B)
-    draft = jax.jit(SP.draft, static_argnums=(1, 2))
-    verify = jax.jit(SP.verify, static_argnums=(1, 2))
-    accept = jax.jit(SP.accept_and_commit, static_argnums=(1,))
+    draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
+    verify = jax.jit(SP.verify, static_argnames=('cfg', 'settings'))
+    accept = jax.jit(SP.accept_and_commit, static_argnames=('settings',))
     tree = draft(params, cfg, st, state)
     verified = verify(params, cfg, st, state, tree)
     stages = {'draft': lambda: draft(params, cfg, st, state),

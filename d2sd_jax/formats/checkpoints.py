@@ -8,7 +8,6 @@ drafter-only form that ships (parameters in bfloat16, no optimizer state).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -140,27 +139,3 @@ def export_drafter(workdir: str, out: str, target: loaders.Target, dtype: str = 
       meta=ocp.args.JsonSave({**meta, 'param_dtype': dtype})), force=True)
   out_mngr.wait_until_finished()
   return dcfg
-
-
-def main():
-  """python -m d2sd_jax.formats.checkpoints export WORKDIR OUT [--target smollm2]"""
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(description='Export a trained drafter (bfloat16, no '
-                                   'optimizer state): what ships in drafters/.')
-  parser.add_argument('command', choices=['export'])
-  parser.add_argument('workdir', help='a train.py workdir (its latest checkpoint is exported)')
-  parser.add_argument('out', help='the exported drafter folder')
-  parser.add_argument('--target', default='smollm2')
-  parser.add_argument('--dtype', default='bfloat16')
-  args = parser.parse_args()
-  target = loaders.load_target(args.target)
-  dcfg = export_drafter(args.workdir, args.out, target, args.dtype)
-  size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out)
-             for f in files)
-  print(json.dumps({'exported': args.out, 'gamma': dcfg.gamma, 'head_vocab': dcfg.head_vocab,
-                    'confidence_temperature': dcfg.confidence_temperature,
-                    'megabytes': round(size / 2**20, 2)}))
-
-
-if __name__ == '__main__':
-  main()

@@ -64,22 +64,22 @@ def empty_state(cfg: model_lib.ModelConfig, st: BatchSettings) -> ar.DecodeState
       steps=jnp.zeros((), jnp.int32))
 
 
-def run_until_finish(params, cfg: model_lib.ModelConfig, st: BatchSettings,
+def run_until_finish(params, cfg: model_lib.ModelConfig, settings: BatchSettings,
                      state: ar.DecodeState) -> ar.DecodeState:
   """Decodes every live row until at least one of them ends (all in one `lax.while_loop`)."""
   done_before = jnp.sum(state.done_B)
   return jax.lax.while_loop(
       lambda s: (jnp.sum(s.done_B) == done_before) & ~jnp.all(s.done_B),
-      lambda s: ar.decode_step(params, cfg, st.generation, s), state)
+      lambda s: ar.decode_step(params, cfg, settings.generation, s), state)
 
 
-def refill(params, cfg: model_lib.ModelConfig, st: BatchSettings, state: ar.DecodeState,
+def refill(params, cfg: model_lib.ModelConfig, settings: BatchSettings, state: ar.DecodeState,
            prompt_1xP, prompt_len_1, row_key_1, row) -> ar.DecodeState:
   """Prefills one prompt alone and puts it in row `row` (a traced index) of the decode state.
 
   Only cache slots < P of the row are written; the slots behind them hold the previous prompt's
   K/V, which attention never reads (a row reads slots < its cache_len)."""
-  gen = st.generation
+  gen = settings.generation
   P = prompt_1xP.shape[1]
   token_1, small, _ = ar.prefill_prompts(params, cfg, gen, prompt_1xP, prompt_len_1, row_key_1, P)
   at = (row, 0, 0, 0)
@@ -95,11 +95,11 @@ def refill(params, cfg: model_lib.ModelConfig, st: BatchSettings, state: ar.Deco
       done_B=state.done_B.at[row].set(done), row_key_B=state.row_key_B.at[row].set(row_key_1[0]))
 
 
-def select_rows(params, cfg: model_lib.ModelConfig, st: BatchSettings, state: ar.DecodeState,
-                rows_R) -> ar.DecodeState:
+def select_rows(params, cfg: model_lib.ModelConfig, settings: BatchSettings,
+                state: ar.DecodeState, rows_R) -> ar.DecodeState:
   """The decode state of rows `rows_R` alone: the tail of a run continues in a smaller batch
   (a step costs every row, live or not)."""
-  del params, cfg, st  # (the engine's program signature)
+  del params, cfg, settings  # (the engine's program signature)
   return jax.tree.map(lambda x: x[rows_R] if x.ndim else x, state)
 
 
@@ -120,7 +120,8 @@ class Engine:
     key = (fn.__name__, state.done_B.shape[0]) + tuple(np.shape(a) for a in args)
     if key not in self._programs:
       t = time.perf_counter()
-      compiled = jax.jit(fn, static_argnums=(1, 2), donate_argnums=(3,) if donate else ())
+      compiled = jax.jit(fn, static_argnames=('cfg', 'settings'),
+                         donate_argnames=('state',) if donate else ())
       self._programs[key] = compiled.lower(self.params, self.cfg, self.st, state, *args).compile()
       self.compile_s += time.perf_counter() - t
     return self._programs[key]

@@ -6,9 +6,9 @@ what this machine has: the Python sources and docs of the installed packages and
 library. Evaluation material never enters (DESIGN §5b): any path with a `numpy` directory
 (numpy itself, or numpy vendored inside another package) and the HumanEval package are skipped.
 
-  python -m d2sd_jax.train.corpus --out data/corpus                 # label everything (resumable)
-  python -m d2sd_jax.train.corpus --out data/corpus --count_only    # how many tokens there are
-  python -m d2sd_jax.train.corpus --roots ~/src/a,~/src/b --out data/mine   # any folders of text
+  python scripts/corpus.py --out data/corpus                 # label everything (resumable)
+  python scripts/corpus.py --out data/corpus --count_only    # how many tokens there are
+  python scripts/corpus.py --roots ~/src/a,~/src/b --out data/mine   # any folders of text
 
 Files are deduplicated by content, tokenized, joined with EOS between files (in sorted path order)
 and cut into windows of --seq_len tokens; the windows are then put in a fixed random order
@@ -25,10 +25,8 @@ resumes; --max_windows labels a prefix and may grow later) holds windows n*W ...
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
-import json
 import math
 import os
 import sysconfig
@@ -39,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import sampling as sampling_lib
 
@@ -186,7 +183,7 @@ def read(path: str, max_windows: int = 0) -> dict[str, np.ndarray]:
   files = sorted(glob.glob(os.path.join(path, 'corpus-*.npz')))
   if not files:
     raise FileNotFoundError(f'no corpus shards (corpus-*.npz) in {path!r}: build them with '
-                            f'python -m d2sd_jax.train.corpus --out {path}')
+                            f'python scripts/corpus.py --out {path}')
   shards, n = [], 0
   for f in files:
     if max_windows and n >= max_windows:
@@ -196,70 +193,7 @@ def read(path: str, max_windows: int = 0) -> dict[str, np.ndarray]:
         shards.append({k: z[k] for k in z.files})
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
       raise ValueError(f'corrupt corpus shard {f}: {e}; delete it and rerun '
-                       f'python -m d2sd_jax.train.corpus --out {path} to label it again') from e
+                       f'python scripts/corpus.py --out {path} to label it again') from e
     n += len(shards[-1]['tokens'])
   out = {k: np.concatenate([s[k] for s in shards]) for k in shards[0]}
   return {k: v[:max_windows] for k, v in out.items()} if max_windows else out
-
-
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', default='data/corpus')
-  parser.add_argument('--target', default='smollm2')
-  parser.add_argument('--roots', default='', help='comma-separated folders (default: the '
-                      'standard library and site-packages)')
-  parser.add_argument('--seq_len', type=int, default=512)
-  parser.add_argument('--batch_size', type=int, default=4)
-  parser.add_argument('--shard_windows', type=int, default=256)
-  parser.add_argument('--top_k', type=int, default=0, help='also store the top-k next tokens')
-  parser.add_argument('--max_windows', type=int, default=0, help='0: all of them')
-  parser.add_argument('--count_only', action='store_true', help='tokenize and count, no labels')
-  args = parser.parse_args()
-  if args.seq_len < 2:
-    parser.error('--seq_len must be at least 2')
-
-  target = loaders.load_target(args.target)
-  tok = target.tokenizer
-  roots = args.roots.split(',') if args.roots else default_roots()
-  meta = {'target': args.target, 'roots': roots, 'seq_len': args.seq_len, 'order': 'shuffled-0',
-          'shard_windows': args.shard_windows, 'top_k': args.top_k, 'eos_id': tok.eos_ids[0]}
-  meta_path = os.path.join(args.out, 'meta.json')
-  windows_path = os.path.join(args.out, 'windows.npy')
-  if not args.count_only and os.path.exists(windows_path):
-    # Resuming: label the windows cut the first time (the installed packages may have changed
-    # since; the shards already written refer to these), without tokenizing again.
-    with open(meta_path) as f:
-      old = json.load(f)
-    changed = sorted(k for k in meta if old.get(k) != meta[k])
-    if changed:
-      parser.error(f'{args.out} was built with other settings ({", ".join(changed)} differ): '
-                   'rerun with those, or use a new --out')
-    tokens = np.load(windows_path, mmap_mode='r')
-    print(f'{args.out}: resuming over its {len(tokens)} windows', flush=True)
-  else:
-    t0 = time.time()
-    docs = list(tokenize(read_texts(source_files(roots)), tok))
-    tokens = windows((ids for _, ids in docs), tok.eos_ids[0], args.seq_len, shuffle_seed=0)
-    by_ext = {}
-    for path, ids in docs:
-      ext = os.path.splitext(path)[1]
-      by_ext[ext] = by_ext.get(ext, 0) + len(ids)
-    print(json.dumps({'roots': roots, 'files': len(docs), 'tokens': sum(by_ext.values()),
-                      'tokens_by_extension': by_ext, 'windows': len(tokens),
-                      'seq_len': args.seq_len, 'tokenize_s': round(time.time() - t0, 1)}),
-          flush=True)
-    if args.count_only:
-      return
-    os.makedirs(args.out, exist_ok=True)
-    with open(meta_path, 'w') as f:
-      json.dump({**meta, 'windows': len(tokens)}, f)
-    np.save(windows_path + '.tmp.npy', tokens)
-    os.replace(windows_path + '.tmp.npy', windows_path)  # (after meta.json: it marks the cut)
-  if args.max_windows:
-    tokens = tokens[:args.max_windows]
-  label_shards(target.params, target.cfg, tokens, args.out, args.shard_windows,
-               args.batch_size, args.top_k, log=lambda m: print(m, flush=True))
-
-
-if __name__ == '__main__':
-  main()

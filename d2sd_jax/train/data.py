@@ -5,14 +5,14 @@ with a label mask over the response tokens: the positions whose labels are what 
 will compare against. The best labels are the target's own outputs (`distill.py`): a drafter
 learns the behaviour it will be verified against (DESIGN §3). Sources (`data.source`):
 
-  'shards'         `records.ShardsSource`: the gzip JSONL shards of `python -m d2sd_jax.train.distill`
+  'shards'         `records.ShardsSource`: the gzip JSONL shards of `python scripts/distill.py`
   'tfds'           `tfds_data.TfdsSource`: any TFDS dataset prepared as array_record, either
                    token records (prompt_ids/response_ids, e.g. `tfds_data`'s d2sd_distill
                    copy of the shards) or text (every token a label: teacher-forced text, to
                    bootstrap a drafter where no distilled responses exist yet)
   'conversations'  `records.ConversationsSource`: a JSONL of ShareGPT / OpenAI conversations; the file's
                    assistant turns are the labels (someone else's replies, not the target's:
-                   distilling the file first, `python -m d2sd_jax.train.distill --prompts FILE`,
+                   distilling the file first, `python scripts/distill.py --prompts FILE`,
                    trains better drafters)
 
 Every source is random access (len, [i]), so a host reads only the records of its own rows of
@@ -145,7 +145,7 @@ class SequenceData:
 
 
 class CorpusWindows:
-  """The windows of a teacher-forced corpus (`python -m d2sd_jax.train.corpus`): text, and at every
+  """The windows of a teacher-forced corpus (`python scripts/corpus.py`): text, and at every
   position the target's own prediction of the next token (its argmax, and with --top_k its K
   likeliest tokens and their probabilities). The text is what the drafter and the target's
   features see; the target's predictions are the labels: label_ids[t] = next_ids[t - 1], so a
@@ -158,7 +158,7 @@ class CorpusWindows:
     tokens = arrays['tokens']
     if tokens.shape[1] != seq_len:
       raise ValueError(f'the corpus in {path} has windows of {tokens.shape[1]} tokens but '
-                       f'data.seq_len={seq_len}: rebuild it with python -m d2sd_jax.train.corpus '
+                       f'data.seq_len={seq_len}: rebuild it with python scripts/corpus.py '
                        f'--seq_len {seq_len} --out NEW_DIR, or set data.seq_len={tokens.shape[1]}')
     if vocab_size is not None and int(tokens.max(initial=0)) >= vocab_size:
       raise ValueError(f'the corpus in {path} has token id {int(tokens.max())}, outside the '

@@ -1,6 +1,6 @@
 """Per-chip memory of a training run on a mesh we do not have: the pod recipe's arithmetic.
 
-  python -m d2sd_jax.train.memory --config configs/drafter1.py --target qwen3-8b --mesh 4x8 \\
+  python scripts/memory.py --config configs/drafter1.py --target qwen3-8b --mesh 4x8 \\
       --config.dtype=bfloat16 --config.train.batch_size=256 ...   (the same flags as train.py)
 
 Parameters and optimizer state are counted exactly: the abstract shapes of the target (any
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 
 import jax
 import numpy as np
@@ -111,26 +110,3 @@ def report(parts: dict) -> str:
   lines = [f'{k:<{width}}  {v / GiB:8.2f} GiB' for k, v in parts.items()]
   lines.append(f'{"total per chip":<{width}}  {sum(parts.values()) / GiB:8.2f} GiB')
   return '\n'.join(lines)
-
-
-def main(argv):
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  del argv
-  config = flags.FLAGS.config
-  data, model = (int(x) for x in flags.FLAGS.mesh.split('x'))
-  tcfg = target_config(flags.FLAGS.target, config.get('dtype', 'float32'))
-  parts = training_memory(config, tcfg, data, model)
-  print(f'train.py on a {data}x{model} (data x model) mesh, target {flags.FLAGS.target} '
-        f'({config.get("dtype", "float32")}), {config.train.batch_size} sequences of '
-        f'{config.data.seq_len} tokens per step, grad_accum {config.train.get("grad_accum", 1)}, '
-        f'remat {config.train.get("remat", False)}:')
-  print(report(parts))
-
-
-if __name__ == '__main__':
-  from absl import app, flags  # pylint: disable=ungrouped-imports
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'training config file', lock_config=True)
-  flags.DEFINE_string('target', 'qwen3-8b', 'a costmodel.TARGETS name or a Hugging Face folder')
-  flags.DEFINE_string('mesh', '1x1', 'DATAxMODEL mesh shape, e.g. 4x8')
-  sys.exit(app.run(main))

@@ -32,7 +32,7 @@ def shard_files(path: str) -> list[str]:
   files = sorted(glob.glob(os.path.join(path, 'shard-*.jsonl.gz')))
   if not files:
     raise FileNotFoundError(f'no distillation shards (shard-*.jsonl.gz) in {path!r}: generate '
-                            'them with python -m d2sd_jax.train.distill --out ' + path)
+                            'them with python scripts/distill.py --out ' + path)
   return files
 
 
@@ -55,7 +55,7 @@ class ShardsSource:
         return fh.read().split(b'\n')
     except (OSError, EOFError) as e:
       raise ValueError(f'corrupt distillation shard {self.files[f]}: {e}; delete it and rerun '
-                       'd2sd_jax.train.distill to regenerate it') from e
+                       'scripts/distill.py to regenerate it') from e
 
   def _record(self, f: int, n: int) -> dict:
     """Line n (1-based) of file f, parsed and checked (ValueError naming file and line)."""
@@ -70,7 +70,7 @@ class ShardsSource:
       for k in ('prompt_ids', 'response_ids'):
         check_ids(r[k], k, self.vocab_size)
     except ValueError as e:
-      raise ValueError(f'{self.files[f]}:{n}: {e}; delete the shard and rerun d2sd_jax.train.distill '
+      raise ValueError(f'{self.files[f]}:{n}: {e}; delete the shard and rerun scripts/distill.py '
                        'to regenerate it') from e
     return r
 
@@ -131,8 +131,8 @@ class ConversationsSource:
       if not replies:
         raise ValueError(
             f'{self.path}:{n}: a "{conv.style}" line has no assistant reply to train on. '
-            f'Distill the file first (the target writes the replies): python -m '
-            f'd2sd_jax.train.distill --prompts {self.path} --out DIR, then train with '
+            f'Distill the file first (the target writes the replies): python '
+            f'scripts/distill.py --prompts {self.path} --out DIR, then train with '
             f'data.source=shards and data.path=DIR')
       for k in range(len(replies)):
         ids.append(f'{conv.id}:{k}')  # as distill.py names turns

@@ -6,7 +6,7 @@ randomly accessed, from any host. This module wraps the shards in a `GeneratorBa
 `builder.as_data_source` (what `tfds.data_source` calls): that path needs only `array_record`,
 not TensorFlow (not a dependency of this project; tfds imports it lazily, only if installed).
 
-  python -m d2sd_jax.train.tfds_data --shards data/distill --data_dir data/tfds
+  python scripts/prepare_tfds.py --shards data/distill --data_dir data/tfds
 
 `read_records(data_dir)` returns the same plain dicts, in the same order, as
 `records.read_records(shards_dir)`, so the windows and the held-out split by id are the same.
@@ -20,11 +20,9 @@ is for bootstrapping. Random access needs the dataset prepared as array_record.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
-import time
 
 from etils import epath
 import numpy as np
@@ -68,7 +66,7 @@ class DistillDataset(tfds.core.GeneratorBasedBuilder):
     # from a TFDS-style package folder, which this module is not.
     return tfds.core.DatasetInfo(
         builder=self,
-        description='The target model\'s greedy responses to training prompts (d2sd_jax.train.distill).',
+        description='The target model\'s greedy responses to training prompts (scripts/distill.py).',
         features=tfds.features.FeaturesDict({
             'id': tfds.features.Text(),
             'style': tfds.features.Text(),
@@ -88,7 +86,7 @@ class DistillDataset(tfds.core.GeneratorBasedBuilder):
     del dl_manager  # nothing to download: the shards are local
     if self._shards_dir is None:
       raise ValueError(f'{NAME} is generated from distillation shards: construct it with '
-                       'shards_dir=... (see d2sd_jax.train.tfds_data.prepare)')
+                       'shards_dir=... (see scripts/prepare_tfds.py)')
     return {'train': self._generate_examples(shard_files(self._shards_dir))}
 
   def _generate_examples(self, files):
@@ -102,7 +100,7 @@ class DistillDataset(tfds.core.GeneratorBasedBuilder):
           lines = f.read().split(b'\n')
       except (OSError, EOFError) as e:
         raise ValueError(f'corrupt distillation shard {file}: {e}; delete it and rerun '
-                         'd2sd_jax.train.distill to regenerate it') from e
+                         'scripts/distill.py to regenerate it') from e
       for n, line in enumerate(lines, 1):
         if line.strip():
           yield f'{name}:{n - 1}', _checked(line, f'{file}:{n}')
@@ -120,7 +118,7 @@ def _checked(line: bytes, where: str) -> dict:
     for k in ID_FIELDS:
       records_lib.check_ids(r[k], k, None)
   except ValueError as e:
-    raise ValueError(f'{where}: {e}; delete the shard and rerun d2sd_jax.train.distill to '
+    raise ValueError(f'{where}: {e}; delete the shard and rerun scripts/distill.py to '
                      'regenerate it') from e
   return {k: r[k] for k in FIELDS}
 
@@ -160,7 +158,7 @@ def _builder(data_dir: str, name: str):
     raise FileNotFoundError(f'TFDS dataset {name!r} not found in {data_dir!r} ({e})') from e
   if not builder.is_prepared():
     # Checked here: otherwise tfds falls back to a TFRECORD default and blames the file format.
-    how = (f'python -m d2sd_jax.train.tfds_data --shards <distill folder> --data_dir {data_dir}'
+    how = (f'python scripts/prepare_tfds.py --shards <distill folder> --data_dir {data_dir}'
            if name == NAME else f"tfds build {name} --data_dir={data_dir} "
            '--file_format=array_record')
     raise FileNotFoundError(f'{name} is not prepared in {data_dir!r}: prepare it with {how}')
@@ -263,18 +261,3 @@ def read_records(data_dir: str) -> list[dict]:
   the keys of the JSONL records (what `records.read_records` returns for the shards)."""
   source = data_source(data_dir)
   return [_plain(source[i]) for i in range(len(source))]
-
-
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--shards', default='data/distill', help='folder of shard-*.jsonl.gz')
-  parser.add_argument('--data_dir', default='data/tfds', help='TFDS data_dir to prepare into')
-  args = parser.parse_args()
-  t0 = time.time()
-  path = prepare(args.shards, args.data_dir)
-  n = len(data_source(args.data_dir))
-  print(f'{path}: {n} examples (array_record) in {time.time() - t0:.1f}s', flush=True)
-
-
-if __name__ == '__main__':
-  main()

@@ -80,7 +80,7 @@ def validate(config) -> None:
                      "target's top-k distribution against its argmax)")
   if config.loss.get('soft', 0.0) and not config.data.get('corpus_path'):
     raise ValueError('loss.soft needs the target\'s distributions, which only a teacher-forced '
-                     'corpus stores: set data.corpus_path (python -m d2sd_jax.train.corpus --top_k 8) '
+                     'corpus stores: set data.corpus_path (python scripts/corpus.py --top_k 8) '
                      'or loss.soft=0')
   if config.loss.get('soft', 0.0) and config.loss.get('soft_k', 8) < 1:
     raise ValueError(f'loss.soft_k={config.loss.soft_k} must be >= 1')

@@ -1,0 +1,78 @@
+"""Cycle costs: measured on this machine (cached) or predicted for a chip from lowered programs:
+
+  python scripts/costmodel.py measure [--drafter1 ... --drafter2 ...] [--force]
+  python scripts/costmodel.py predict --chip h200 --target qwen3-8b
+"""
+from __future__ import annotations
+
+import argparse
+
+from d2sd_jax.formats import loaders
+from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.perf import costmodel
+from d2sd_jax.perf import throughput
+from d2sd_jax.spec import ar
+from d2sd_jax.spec import speculative as SP
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  sub = parser.add_subparsers(dest='cmd', required=True)
+  m = sub.add_parser('measure', help='time this machine\'s programs (cached)')
+  m.add_argument('--target', default='smollm2')
+  m.add_argument('--drafter1', default='drafters/smollm2-drafter1')
+  m.add_argument('--drafter2', default='drafters/smollm2-drafter2')
+  m.add_argument('--batch', type=int, default=1)
+  m.add_argument('--context', type=int, default=512)
+  m.add_argument('--force', action='store_true', help='measure again, ignoring the cache')
+  p = sub.add_parser('predict', help='roofline costs on a chip from lowered programs')
+  p.add_argument('--chip', default='h200', choices=sorted(costmodel.CHIPS))
+  p.add_argument('--target', default='qwen3-8b', choices=sorted(costmodel.TARGETS))
+  p.add_argument('--batch', type=int, default=1)
+  p.add_argument('--context', type=int, default=1024)
+  p.add_argument('--tau', default='dflash=5.31,d2sd=7.05',
+                 help='method=tau pairs: predicted speed-up over AR at these acceptance lengths '
+                      '(default: the D2SD paper\'s Qwen3-8B means at T = 0)')
+  args = parser.parse_args()
+  if args.cmd == 'measure':
+    target = loaders.load_target(args.target)
+    d1cfg, d1, _ = load_drafter(args.drafter1, target)
+    d2cfg, d2, _ = load_drafter(args.drafter2, target)
+    gen = ar.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+    specs = candidate_specs(gen, d1cfg, d2cfg)
+    costs = costmodel.measure({'target': target.params, 'drafter1': d1, 'drafter2': d2}, target.cfg, specs,
+                    args.batch, args.context, use_cache=not args.force)
+  else:
+    tcfg = costmodel.TARGETS[args.target]
+    gen = ar.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+    d = costmodel.paper_drafter(tcfg)
+    specs = {'dflash': SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d),
+             'd2sd': SP.SpecSettings(gen, method='d2sd', gamma=16, drafter1=d, drafter2=d,
+                                     n_branches=4)}
+    costs = costmodel.predict(tcfg, costmodel.CHIPS[args.chip], list(specs.values()), args.batch, args.context,
+                    sizes=sorted({1, 16, 32, 64} | {s.tree_size for s in specs.values()}))
+    print(costmodel.table(costs))
+    for pair in filter(None, args.tau.split(',')):
+      method, tau = pair.split('=')
+      spec = specs[method]
+      cycle = costs.cycle(spec)
+      print(f'  {method}: tau {float(tau):.2f} over a {spec.tree_size}-node cycle of '
+            f'{1e3 * cycle:.3f} ms -> predicted speed-up over AR '
+            f'{throughput.tokens_per_s(float(tau), cycle) * costs.ar_step:.2f}x')
+    return
+  print(costmodel.table(costs))
+
+
+def candidate_specs(gen, d1cfg, d2cfg) -> list[SP.SpecSettings]:
+  """The drafting configurations `costmodel measure` times: prompt lookup, drafter 1 alone,
+  and D2SD with K = 1, 2, 4 (one denoising step)."""
+  specs = [SP.SpecSettings(gen, method='dflash', gamma=d1cfg.gamma, drafter1=d1cfg)]
+  for K in (1, 2, 4):
+    specs.append(SP.SpecSettings(gen, method='d2sd', gamma=d1cfg.gamma, drafter1=d1cfg,
+                                 drafter2=d2cfg, n_branches=min(K, d1cfg.gamma - 1)))
+  specs.append(SP.SpecSettings(gen, method='pld', gamma=d1cfg.gamma))
+  return specs
+
+
+if __name__ == '__main__':
+  main()

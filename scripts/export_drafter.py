@@ -1,0 +1,33 @@
+"""Export a trained drafter (bfloat16, no optimizer state), as drafters/ ships them:
+
+  python scripts/export_drafter.py runs/drafter1 drafters/smollm2-drafter1 [--target smollm2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from d2sd_jax.formats import checkpoints as ckpt
+from d2sd_jax.formats import loaders
+
+
+def main():
+  parser = argparse.ArgumentParser(description='Export a trained drafter (bfloat16, no '
+                                   'optimizer state): what ships in drafters/.')
+  parser.add_argument('workdir', help='a train.py workdir (its latest checkpoint is exported)')
+  parser.add_argument('out', help='the exported drafter folder')
+  parser.add_argument('--target', default='smollm2')
+  parser.add_argument('--dtype', default='bfloat16')
+  args = parser.parse_args()
+  target = loaders.load_target(args.target)
+  dcfg = ckpt.export_drafter(args.workdir, args.out, target, args.dtype)
+  size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(args.out)
+             for f in files)
+  print(json.dumps({'exported': args.out, 'gamma': dcfg.gamma, 'head_vocab': dcfg.head_vocab,
+                    'confidence_temperature': dcfg.confidence_temperature,
+                    'megabytes': round(size / 2**20, 2)}))
+
+
+if __name__ == '__main__':
+  main()
