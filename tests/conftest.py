@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -15,6 +16,26 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as model_lib
 
 jax.config.update('jax_enable_x64', False)
+
+# XLA's persistent compilation cache, shared by the test processes (pytest-xdist's workers and
+# the subprocesses tests start, through the environment): a program compiled again, by another
+# worker, after jax.clear_caches or under another Python function object, is read back instead
+# of compiled. Entries are keyed by the program, the compile options and the jax/XLA version.
+CACHE = {'JAX_COMPILATION_CACHE_DIR': os.environ.get(
+             'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(),
+                                                       'd2sd_jax_tests_xla_cache')),
+         'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+         'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1'}
+os.environ.update(CACHE)
+jax.config.update('jax_compilation_cache_dir', CACHE['JAX_COMPILATION_CACHE_DIR'])
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+
+
+def pytest_collection_modifyitems(items):
+  """The mutation suite last: each mutation ends with jax.clear_caches(), which would make the
+  tests after it trace and compile everything again."""
+  items.sort(key=lambda item: item.nodeid.startswith('tests/test_mutations.py'))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,3 +122,17 @@ def write_fake_distill(path) -> str:
 @pytest.fixture(scope='session')
 def distill_dir(tmp_path_factory):
   return write_fake_distill(tmp_path_factory.mktemp('distill'))
+
+
+@pytest.fixture(scope='session')
+def tiny_drafters(tiny_folder, distill_dir, tmp_path_factory):
+  """train.py workdirs of both drafters for the tiny folder target (3 steps each), made once
+  per test process: {'drafter1': path, 'drafter2': path}."""
+  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
+  import test_training  # pylint: disable=import-outside-toplevel (its tiny training config)
+  root = tmp_path_factory.mktemp('drafters')
+  paths = {}
+  for kind in ('drafter1', 'drafter2'):
+    paths[kind] = str(root / kind)
+    training.run(test_training.tiny_config(tiny_folder, distill_dir, paths[kind], kind, steps=3))
+  return paths

@@ -31,12 +31,20 @@ DCFG2 = D.DrafterConfig(**{**DCFG.__dict__, 'feature_layers': (1, 2)})
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def full_last_logits(cfg, params, tokens_1xT):
-  """Logits after the last token of a plain causal forward (no cache reuse): the reference."""
-  T = tokens_1xT.shape[1]
-  h, _, _ = M.forward(params, cfg, tokens_1xT, jnp.arange(T)[None], M.init_cache(cfg, 1, T),
+def _full_logits(cfg, params, tokens_1xW):
+  W = tokens_1xW.shape[1]
+  h, _, _ = M.forward(params, cfg, tokens_1xW, jnp.arange(W)[None], M.init_cache(cfg, 1, W),
                       jnp.zeros((1,), jnp.int32))
-  return M.logits(params, cfg, h)[0, -1]
+  return M.logits(params, cfg, h)[0]
+
+
+def full_last_logits(cfg, params, tokens_1xT, bucket: int = 32):
+  """Logits after the last token of a plain causal forward (no cache reuse): the reference.
+  The sequence is padded to a multiple of `bucket` (one program for many lengths): causal
+  attention keeps the padding out of every earlier position."""
+  T = tokens_1xT.shape[1]
+  padded = jnp.pad(jnp.asarray(tokens_1xT), ((0, 0), (0, -T % bucket)))
+  return _full_logits(cfg, params, padded)[T - 1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

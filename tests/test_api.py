@@ -10,18 +10,6 @@ import pytest
 import d2sd_jax
 from d2sd_jax.decode import api
 
-import test_training  # pylint: disable=wrong-import-order
-
-
-@pytest.fixture(scope='module')
-def tiny_drafters(tiny_folder, distill_dir, tmp_path_factory):
-  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
-  root = tmp_path_factory.mktemp('drafters')
-  paths = {}
-  for kind in ('drafter1', 'drafter2'):
-    paths[kind] = str(root / kind)
-    training.run(test_training.tiny_config(tiny_folder, distill_dir, paths[kind], kind, steps=3))
-  return paths
 
 
 def test_decoder_generates_losslessly_and_round_trips(tiny_folder, tiny_drafters, tmp_path):

@@ -103,6 +103,7 @@ def test_soft_loss_is_the_expectation_of_hard_losses(tiny_target):
                                                                                    rel=1e-5)
 
 
+@pytest.mark.slow
 def test_training_with_a_corpus_reads_the_right_features(tiny_folder, distill_dir, corpus_dir,
                                                         tmp_path):
   """The corpus windows enter the batches; precomputed features (a file per part, looked up

@@ -110,7 +110,8 @@ def _format(fmt, tmp_path, distill_dir) -> dict:
   return {'source': 'conversations', 'path': write_conversations(tmp_path / 'chats.jsonl')}
 
 
-@pytest.mark.parametrize('fmt', ['shards', 'tfds', 'tfds_text', 'conversations'])
+@pytest.mark.parametrize('fmt', ['shards', *(pytest.param(f, marks=pytest.mark.slow)
+                                             for f in ('tfds', 'tfds_text', 'conversations'))])
 def test_resume_through_grain_is_exact(tiny_folder, distill_dir, tmp_path, capsys, fmt):
   """Per format: a run stopped at step 2 saves the iterator position with its parameters
   (the checkpoint item `data`), and the resumed run reads on from it, running only steps 3-4
@@ -136,6 +137,7 @@ def test_resume_through_grain_is_exact(tiny_folder, distill_dir, tmp_path, capsy
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_checkpoint_without_data_item_resumes_at_its_step(tiny_folder, distill_dir, tmp_path,
                                                           capsys):
   """A checkpoint written before the data item existed (the running CPU job's) resumes at its

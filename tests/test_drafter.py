@@ -28,11 +28,19 @@ def setup(tiny):
 
 def decode_time_logits(setup, anchor, block_tokens, is_mask):
   """One block at `anchor` through the decode-time path: a context cache of positions < anchor."""
-  tcfg, tparams, dparams, seq, feats = setup
-  B = seq.shape[0]
+  tcfg, tparams, dparams, _, feats = setup
+  return _decode_time_logits(tcfg, tparams, dparams, feats, jnp.int32(anchor), block_tokens,
+                             is_mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _decode_time_logits(tcfg, tparams, dparams, feats, anchor, block_tokens, is_mask):
+  """(One program for every anchor: the context cache holds every position's features, and
+  the block reads only the slots < anchor, as decoding reads only committed ones.)"""
+  B, L = feats.shape[:2]
   cache = D.init_context_cache(DCFG, B, 16)
-  cache = D.write_context(cache, dparams, DCFG, feats[:, :anchor],
-                          jnp.broadcast_to(jnp.arange(anchor), (B, anchor)), jnp.zeros(B, jnp.int32))
+  cache = D.write_context(cache, dparams, DCFG, feats, jnp.broadcast_to(jnp.arange(L), (B, L)),
+                          jnp.zeros(B, jnp.int32))
   pos = jnp.broadcast_to(anchor + jnp.arange(DCFG.gamma), (B, DCFG.gamma))
   ctx_mask = jnp.broadcast_to(jnp.arange(16) < anchor, (B, 16))
   return D.forward(dparams, DCFG, tparams, tcfg, block_tokens, is_mask, pos, cache, ctx_mask,

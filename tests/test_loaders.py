@@ -122,6 +122,7 @@ def test_corrupt_gguf_is_explained(tmp_path):
     loaders.load_target(str(bad))
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_llama_cpp(smollm2):
   tok = smollm2.tokenizer
   cases = reference()['tokenizer_cases']
@@ -136,11 +137,13 @@ def test_smollm2_tokenizer_matches_llama_cpp(smollm2):
     assert tok.decode(ids, skip_special_tokens=False) == case['text']
 
 
+@pytest.mark.slow
 def test_smollm2_chat_prompts_match_reference(smollm2):
   for case in reference()['generation_cases']:
     assert smollm2.tokenizer.encode_prompt(case['prompt'], case['chat']) == case['prompt_ids']
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_reference(smollm2):
   case = reference()['logits_case']
   logits, _, _ = forward_logits(smollm2, jnp.asarray([case['ids']]))
@@ -148,6 +151,7 @@ def test_smollm2_logits_match_reference(smollm2):
   np.testing.assert_allclose(logits[0, -1, top[:, 0].astype(int)], top[:, 1], atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_reference_batched(smollm2):
   """All reference prompts (plain and chat, different lengths) in one batch, 32 greedy tokens."""
   cases = reference()['generation_cases']

@@ -29,10 +29,15 @@ def test_cached_decoding_matches_full_forward(tiny):
   h, cache, _ = M.forward(params, cfg, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)),
                           cache, jnp.zeros((2,), jnp.int32))
   got = [M.logits(params, cfg, h)]
+
+  @jax.jit
+  def step(cache, token_Bx1, cache_len_B):
+    h, cache, _ = M.forward(params, cfg, token_Bx1, cache_len_B[:, None], cache, cache_len_B)
+    return M.logits(params, cfg, h), cache
+
   for t in range(5, 12):
-    cache_len = jnp.full((2,), t, jnp.int32)
-    h, cache, _ = M.forward(params, cfg, tokens[:, t:t + 1], cache_len[:, None], cache, cache_len)
-    got.append(M.logits(params, cfg, h))
+    logits, cache = step(cache, tokens[:, t:t + 1], jnp.full((2,), t, jnp.int32))
+    got.append(logits)
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), ref, rtol=1e-4, atol=1e-4)
 
 

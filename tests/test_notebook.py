@@ -2,14 +2,14 @@
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
-
-from test_api import tiny_drafters  # noqa: F401  pylint: disable=unused-import
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quickstart_notebook_executes_twice(tiny_folder, tiny_drafters, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_quickstart_notebook_executes_twice(tiny_folder, tiny_drafters, tmp_path):
   """Top to bottom, then again in the same kernel (Run All twice): the second run saves over the
   first run's saved decoder."""
   nb = nbformat.read(os.path.join(ROOT, 'notebooks', 'quickstart.ipynb'), as_version=4)

@@ -7,6 +7,7 @@ import json
 
 import ml_dtypes
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,10 +23,12 @@ def test_parameter_shardings_follow_the_rules():
   run_check('rules')
 
 
+@pytest.mark.slow
 def test_sharded_train_step_equals_one_device(tiny_folder, distill_dir, tmp_path):
   run_check('train', tiny_folder, distill_dir, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_sharded_speculative_generation_equals_unsharded():
   run_check('decode')
 
@@ -65,6 +68,7 @@ def write_wide_checkpoint(folder, n_layers=48, d=256, ff=1024, vocab=8192, files
     json.dump({**config, 'n_params': n_params}, fh)  # n_params: for the check only
 
 
+@pytest.mark.slow
 def test_sharded_bfloat16_load_splits_bytes_and_bounds_host_memory(tmp_path):
   folder = str(tmp_path / 'wide')
   write_wide_checkpoint(folder)

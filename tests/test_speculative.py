@@ -43,6 +43,7 @@ def test_tiny_target_is_not_degenerate(tiny):
   assert int(jnp.argmax(a)) != int(jnp.argmax(b))
 
 
+@pytest.mark.slow
 def test_eos_inside_accepted_path_stops_where_ar_does(tiny, trained):
   """The oracle's accepted path runs past an EOS token: the cycle commits up to the EOS only."""
   H.check_eos_inside_accepted_path(tiny, trained)
@@ -57,6 +58,7 @@ def test_length_limit_inside_accepted_path(tiny, max_new):
   assert sp == ar and all(len(o) == max_new for o in sp)
 
 
+@pytest.mark.slow
 def test_oracle_tree_accepts_branch_paths_and_caches_stay_fresh(tiny, trained):
   """Every cycle accepts a path through a branch (compaction moves its K/V; the drafters'
   contexts take its features): after each cycle every cache equals a fresh prefill."""
@@ -131,6 +133,7 @@ def test_one_program_without_host_transfers(tiny):
 
 
 
+@pytest.mark.slow
 def test_pld_on_smollm2_equals_reference_greedy(smollm2):
   """Real prompts (plain and chat, one batch of 6 lengths): prompt-lookup decoding reproduces the
   reference greedy tokens (transformers, float32) exactly like AR does."""
@@ -203,10 +206,12 @@ def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatc
   assert counts['branch_accepts'] > 0, counts
 
 
+@pytest.mark.slow
 def test_d2sd_tree_is_drafter2_at_the_top_r_cuts(tiny, trained):
   H.check_d2sd_tree_is_drafter2(tiny, trained)
 
 
+@pytest.mark.slow
 def test_every_verified_node_is_reachable(tiny, trained):
   H.check_every_verified_node_reachable(tiny, trained)
 
@@ -318,6 +323,7 @@ def test_invalid_spec_settings():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('batch', [1, 3])
 def test_d2sd_on_smollm2_with_shipped_drafters_equals_reference_greedy(smollm2, batch):
   """The full method with the shipped drafters on the real target and the reference prompts

@@ -39,7 +39,7 @@ def tiny_config(target, data, workdir, kind='drafter1', steps=6):
   return c
 
 
-@pytest.mark.parametrize('kind', ['drafter1', 'drafter2'])
+@pytest.mark.parametrize('kind', ['drafter1', pytest.param('drafter2', marks=pytest.mark.slow)])
 def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
   out = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / kind), kind, steps=30))
   lines = [json.loads(l) for l in open(tmp_path / kind / 'metrics.jsonl')]
@@ -81,6 +81,7 @@ def test_train_py_user_error_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == 'error: train.batch_size=0 must be >= 1'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tiny_folder, distill_dir,
                                                                  tmp_path, sig):
@@ -104,6 +105,7 @@ def test_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tiny_folder, dis
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_dir, tmp_path):
   """The float16 feature file is a cache, not a different recipe: same losses to float16
   precision; a second run reuses the file."""
@@ -118,6 +120,7 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
   assert not os.path.exists(tmp_path / 'False' / 'features')
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_remat_give_the_same_update(tiny_folder, distill_dir,
                                                              tmp_path):
   """grad_accum=3 (three micro-batches of one sequence, whose loss weights differ) and remat
@@ -134,6 +137,7 @@ def test_gradient_accumulation_and_remat_give_the_same_update(tiny_folder, disti
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_bfloat16_target_and_compute_keep_float32_master_weights(tiny_folder, distill_dir,
                                                                  tmp_path):
   """The pod recipe: a bfloat16 target and bfloat16 drafter arithmetic train the float32
@@ -156,6 +160,7 @@ def test_bfloat16_target_and_compute_keep_float32_master_weights(tiny_folder, di
     assert dcfg.dtype == dtype and params['fc'].dtype == dtype
 
 
+@pytest.mark.slow
 def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
   """The drafter head keeps the data's most frequent tokens; drafter 2 can start from drafter 1
   (same architecture required)."""
@@ -185,6 +190,7 @@ def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
     training.run(c)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_target_is_refused(tiny_folder, distill_dir, tmp_path):
   workdir = str(tmp_path / 'run')
   training.run(tiny_config(tiny_folder, distill_dir, workdir, steps=3))
@@ -192,6 +198,7 @@ def test_checkpoint_of_another_target_is_refused(tiny_folder, distill_dir, tmp_p
     training.run(tiny_config(another_target(tiny_folder, tmp_path), distill_dir, workdir, steps=6))
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill_dir, tmp_path):
   workdir = tmp_path / 'run'
   training.run(tiny_config(tiny_folder, distill_dir, str(workdir), steps=6))
@@ -231,6 +238,7 @@ def test_crash_mid_save_is_never_loaded(tiny_folder, distill_dir, tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_training_reads_the_tfds_copy(tiny_folder, distill_dir, tmp_path):
   from d2sd_jax.train import tfds_data  # pylint: disable=import-outside-toplevel
   prepared = tfds_data.prepare(distill_dir, str(tmp_path / 'tfds'))
@@ -297,6 +305,7 @@ def test_training_config_errors_name_the_field(tiny_folder, distill_dir, tmp_pat
       tmp_path / 'run' / 'checkpoints')  # refused before anything is written
 
 
+@pytest.mark.slow
 def test_trained_drafters_decode_losslessly(tiny_folder, distill_dir, tmp_path):
   """train.py checkpoints (one exported to the shipped bfloat16 form) drive every drafter
   method of decode.py; the completions equal AR's; a drafter for another target is refused."""
