@@ -1,4 +1,9 @@
-"""Generate text with a target LM: python decode.py --config configs/smollm2.py [--config.x=y]."""
+"""Generate text with a target LM: python decode.py --config configs/smollm2.py [--config.x=y].
+
+Library logging (Orbax's and absl's INFO lines) stays out of the terminal unless asked for
+with --verbosity=0 (or higher)."""
+from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from d2sd_jax import cli
@@ -9,6 +14,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'decode config file', 
 
 def main(argv):
   del argv
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
   generate_lib.run(_CONFIG.value)
 
 

@@ -16,8 +16,8 @@ def get_config():
   # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2),
   # 'd2sd_pld' (d2sd + prompt lookup's proposal as one more branch), 'auto' (the highest
   # predicted tokens/s on this machine: d2sd_jax/decode/autoconfig.py), or any method added with
-  # d2sd_jax.register. 'auto' probes its candidates once per machine and settings
-  # (minutes) and remembers the choice; a later run with the same key starts at once.
+  # d2sd_jax.register. 'auto' predicts each candidate's speed from the drafters' recorded
+  # acceptance and cycle costs, remembers its choice and refines it with what each decode measures.
   c.method = 'auto'  # (d2sd and the drafter methods need the drafters below; ar and pld none)
   c.drafter1 = 'drafters/smollm2-drafter1'  # drafter 1: a train.py workdir or an exported drafter
   c.drafter2 = 'drafters/smollm2-drafter2'  # drafter 2 (VP drafter), for method='d2sd'
@@ -46,7 +46,8 @@ def get_config():
   c.seed = 0  # sampling seed (row r of the prompt list always uses fold_in(seed, r))
   c.batch_size = 0  # prompts decoded together (0 = all of them, 8 at most)
   c.cache_len = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
-  c.auto_refresh = False  # method='auto': probe again instead of using the remembered choice
+  c.auto_refresh = False  # method='auto': choose again instead of using the remembered choice
+  c.auto_probe = False  # method='auto': time every candidate on the prompts (minutes)
   c.stage_times = False  # speculative: also time draft / verify / accept alone (stats stage_ms)
   c.output = ''  # optional JSONL path: prompt, completion, completion_ids per line
   c.mesh = ml_collections.ConfigDict()

@@ -32,15 +32,11 @@ TRAIN_FIELDS = {
     'progress_bar': None,
 }
 
-# The fields decode.py reads (configs/smollm2.py).
-DECODE_FIELDS = {
-    'target': None, 'dtype': None, 'method': None, 'drafter1': None, 'drafter2': None,
-    'spec': set(SPEC_KNOBS), 'prompt': None, 'prompts_file': None, 'chat': None,
-    'chat_template_kwargs': None,
-    'max_new_tokens': None, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None,
-    'batch_size': None, 'cache_len': None, 'stage_times': None, 'auto_refresh': None,
-    'output': None,
-    'mesh': {'data', 'model'}, 'distributed': None,
+# The fields decode.py reads besides decode/options.py's Options (which holds the request's
+# fields, and makes decode.py's whole list: options.DECODE_FIELDS).
+RUN_FIELDS = {
+    'target': None, 'dtype': None, 'drafter1': None, 'drafter2': None, 'prompt': None,
+    'prompts_file': None, 'output': None, 'mesh': {'data', 'model'}, 'distributed': None,
 }
 
 

@@ -12,6 +12,7 @@ from d2sd_jax.perf import costmodel
 from d2sd_jax.decode import generate as generate_lib
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib
+from d2sd_jax.formats import checkpoints
 from d2sd_jax.models import drafter as D
 from d2sd_jax.spec import ar as AR
 from d2sd_jax.formats import loaders
@@ -276,4 +277,97 @@ def test_an_unreadable_or_stale_remembered_choice_is_probed_again(tmp_path):
     said.clear()
     path.write_text(text)
     assert autoconfig._read_remembered(str(path), drafters, said.append) is None, why
-    assert len(said) == 1 and str(path) in said[0] and 'probing again' in said[0], (why, said)
+    assert len(said) == 1 and str(path) in said[0] and 'choosing again' in said[0], (why, said)
+
+
+def write_prior(path, target, drafters, taus_ratios: dict, batch: int = 1):
+  """A priors file for these drafters: {label: (tau, cycle in AR steps)}."""
+  weighed = {label: (m, k) for label, m, k in autoconfig.candidates(drafters)}
+  record = {'target': checkpoints.target_fingerprint(target),
+            'platform': jax.devices()[0].platform, 'batch': batch,
+            'drafters': {n: autoconfig.params_digest(p) for n, (_, p) in drafters.items()},
+            'candidates': {label: {'method': weighed[label][0], 'spec': weighed[label][1],
+                                   'tau': tau, 'cycle_ar_steps': ratio}
+                           for label, (tau, ratio) in taus_ratios.items()},
+            'run': {'date': 'test', 'machine': 'test', 'command': 'test'}}
+  path.write_text(json.dumps({'version': autoconfig.RECORD_PRIORS, 'records': [record]}))
+  return str(path)
+
+
+def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, auto_choices,
+                                                                  monkeypatch, tmp_path):
+  """With a prior for these drafters, auto probes nothing: it decodes with the candidate of
+  highest τ per AR step. The decode measures that candidate; the remembered choice moves to the
+  best prediction given the measurement, and the next request decodes with it. auto_probe
+  times every candidate instead. Every output equals AR's."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
+  every = autoconfig.candidates
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d: every(d)[:3])  # ar, pld, dflash
+  # pld's prior τ is out of reach (gamma 4: at most 4 per cycle), dflash's just above it
+  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
+      tmp_path / 'priors.json', target, drafters,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)}))
+  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
+  calls = []
+  real_decode = runner_lib.decode_prompts
+  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a: calls.append(
+      len(ids)) or real_decode(runner, tok, ids, *a))
+  prompts = ['abcabcabcabc', 'hello hello hello']
+  base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
+  ar, _ = generate_lib.generate(target, drafters, prompts, base)
+  calls.clear()
+  out, stats = generate_lib.generate(target, drafters, prompts,
+                                     dataclasses.replace(base, method='auto'))
+  assert calls == [2] and stats['auto_source'] == 'prior'  # the decode alone: no probe
+  assert stats['auto_choice'] == 'pld(gamma=4)' and stats['method'] == 'pld'
+  assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
+  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
+  assert stats['auto_learned']
+  record = json.loads(open(stats['auto_file']).read())
+  measured = record['measured']['pld(gamma=4)']
+  assert measured['tau'] == stats['tau'] <= 4 and record['source'] == 'prior+measured'
+  assert measured['cycle_ms'] == pytest.approx(1e3 * stats['decode_s'] / stats['decode_steps'],
+                                               rel=1e-3)
+  table = record['auto_candidates']
+  assert record['auto_choice'] == 'dflash' == max(
+      table, key=lambda k: table[k]['predicted_tokens_per_s'])
+  # the next request decodes with the refined choice, and measures it too
+  calls.clear()
+  again, stats2 = generate_lib.generate(target, drafters, prompts,
+                                        dataclasses.replace(base, method='auto'))
+  assert calls == [2] and stats2['auto_source'] == 'remembered' and stats2['method'] == 'dflash'
+  assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
+  assert set(json.loads(open(stats['auto_file']).read())['measured']) == {'pld(gamma=4)',
+                                                                          'dflash'}
+  # auto_probe: every candidate decodes the prompts (the first warms up), then the request
+  calls.clear()
+  probed, stats3 = generate_lib.generate(target, drafters, prompts,
+                                         dataclasses.replace(base, method='auto',
+                                                             auto_probe=True))
+  assert stats3['auto_source'] == 'probed' and calls == [1, 1] * 3 + [2]
+  assert [r['completion_ids'] for r in probed] == [r['completion_ids'] for r in ar]
+
+
+def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_folder,
+                                                                          tmp_path):
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  d1 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))
+  labels = [label for label, _, _ in autoconfig.candidates({'drafter1': d1})]
+  path = write_prior(tmp_path / 'p.json', target, {'drafter1': d1},
+                     {label: (1.5, 1.2) for label in labels})
+  options = options_lib.Options(method='auto')
+  assert autoconfig.from_prior(target, {'drafter1': d1}, options, 1, path) is not None
+  other = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(7)))
+  assert autoconfig.from_prior(target, {'drafter1': other}, options, 1, path) is None
+  assert autoconfig.from_prior(target, {'drafter1': d1}, options, 2, path) is None
+  for changed in ({'temperature': 0.7}, {'spec': {'tree_budget': 16}}):
+    assert autoconfig.from_prior(target, {'drafter1': d1},
+                                 dataclasses.replace(options, **changed), 1, path) is None
+  # the knobs a config file fixes at their defaults change nothing
+  assert autoconfig.from_prior(target, {'drafter1': d1}, dataclasses.replace(
+      options, spec={'gamma': 8, 'tree_budget': 0, 'leniency': 0.0}), 1, path) is not None
+  (tmp_path / 'p.json').write_text('{"version": 1, "rec')  # truncated: ignored
+  assert autoconfig.from_prior(target, {'drafter1': d1}, options, 1, path) is None

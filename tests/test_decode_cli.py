@@ -158,7 +158,7 @@ def test_config_is_the_library_defaults():
   assert set(knobs) == set(speculative.SpecSettings.__dataclass_fields__) - set(
       config_check.NOT_KNOBS)
   assert config.spec.to_dict() == knobs
-  assert set(config_check.DECODE_FIELDS['spec']) == set(knobs)
+  assert set(options_lib.DECODE_FIELDS['spec']) == set(knobs)
   for f in dataclasses.fields(options_lib.Options):
     if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
       assert config[f.name] == f.default, f.name
@@ -220,6 +220,7 @@ def test_prompts_file_takes_conversations_in_every_format(tiny_folder, tmp_path)
     generate_lib.run(config_for(tiny_folder, prompts_file=str(path), chat=False), out=io.StringIO())
 
 
+@pytest.mark.slow
 def test_decode_py_on_smollm2(smollm2, auto_choices):
   """The README's command, on the real target with the shipped drafters, through the real entry
   point. Its default, method='auto', would probe SmolLM2's candidates for minutes here, so the

@@ -138,3 +138,14 @@ def test_the_public_names_load_lazily(name):
   assert callable(getattr(d2sd_jax, name))
   with pytest.raises(AttributeError, match='no attribute'):
     getattr(d2sd_jax, 'no_such_name')
+
+
+def test_shipped_drafters_resolve_from_any_working_directory(tmp_path, monkeypatch):
+  """A relative drafter path that is not under the working directory is looked up in the
+  repository (the configs name drafters/...), wherever the package's modules sit."""
+  from d2sd_jax.formats import checkpoints  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(PACKAGE)
+  monkeypatch.chdir(tmp_path)
+  assert checkpoints.resolve_path('drafters/smollm2-drafter1') == os.path.join(
+      root, 'drafters', 'smollm2-drafter1')
+  assert checkpoints.resolve_path('no/such/folder') == 'no/such/folder'

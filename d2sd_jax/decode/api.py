@@ -66,6 +66,7 @@ class Decoder:
                batch_size: int = _DEFAULTS.batch_size, cache_len: int = _DEFAULTS.cache_len,
                stage_times: bool = _DEFAULTS.stage_times,
                auto_refresh: bool = _DEFAULTS.auto_refresh,
+               auto_probe: bool = _DEFAULTS.auto_probe,
                chat_template_kwargs: dict | None = None, **spec) -> Generation:
     """Completes each prompt through decode.py's path (`generate_lib.generate`, same defaults).
 
@@ -79,9 +80,10 @@ class Decoder:
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
         chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-        cache_len=cache_len, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh)
+        cache_len=cache_len, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh,
+        auto_probe=auto_probe)
     completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,
-                                           self._runners)
+                                               self._runners)
     return Generation(texts=[c['completion'] for c in completions],
                       ids=[c['completion_ids'] for c in completions], stats=stats)
 

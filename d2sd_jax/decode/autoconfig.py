@@ -1,43 +1,38 @@
 """method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
 
-For each candidate (AR; prompt lookup; and, with the drafters at hand, drafter 1 alone, D²SD
-with K = 1, 2, 4 and the hybrid d2sd_pld with K = 1, 4), the prediction is
-throughput.tokens_per_s(E[τ], t_cycle):
-  E[τ]    from a probe: the candidate decodes the request's first PROBE_PROMPTS prompts for
-          PROBE_TOKENS tokens each and their pooled acceptance histogram gives E[τ]
-          (throughput.tau_from_histogram). Acceptance depends on the prompts (prompt lookup
-          thrives where the answer repeats the prompt), so it is measured on the request itself
-          rather than assumed, and at the request's own length: prompt lookup also copies the
-          text it generated, so its τ grows along a completion (48-token probes of 4 HumanEval
-          prompts gave it τ 1.77 against 2.26 over 20 prompts of 128 tokens, and auto chose AR
-          over a prompt lookup 1.25x faster).
-  t_cycle the probe's own cycle time (its decode time over its cycles: the real programs on
-          the real contexts), timed on the probe prompts after the first, which warms the
-          programs up (a first run pays one-off costs), when they ran at least
-          MIN_PROBE_CYCLES cycles; otherwise the cost model measured on this machine
-          (costmodel.measure, whole cycles timed inside a loop on a synthetic context; cached
-          on disk), for those candidates only: it costs minutes on a large target, and its
-          cycles missed the real ones by up to 25 % on HumanEval (README), enough to swap AR
-          and prompt lookup.
-The stats report the choice (`auto_choice`), its prediction (`predicted_tokens_per_s`) and every
-candidate's figures (`auto_candidates`); the decode's own `decode_tokens_per_s` is measured as for
-any method.
+The candidates: AR, prompt lookup and, with the drafters at hand, drafter 1 alone, D²SD with
+K = 1, 2, 4 and the hybrid d2sd_pld with K = 1, 4. Each is predicted
+throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this order:
 
-The choice is remembered: probing compiles one program per candidate and decodes with each
-(minutes for SmolLM2 on a 2-core CPU: 12.7 on the slowest machine measured), so the result is
-written to a JSON file under ~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE overrides), keyed by
-everything the ranking depends on but the prompts' text: the device kind and count, the JAX
-version, the target's fingerprint and dtype, each drafter's config and a digest of its weights,
-the batch, the sampling settings, the speculative knobs the request fixes, chat or not, and the
-context window the request needs (prompt + max_new_tokens: cycle costs depend on it). A later
-request with the same key decodes with the remembered configuration at once (`auto_source:
-'remembered'`, `auto_file`; `auto_s`: the seconds choosing took); `auto_refresh=True` probes
-again and replaces it. Acceptance also depends on the prompts (prompt lookup thrives where
-answers repeat the prompt) and a little on the length (prompt lookup's τ grows along a
-completion), which the key leaves out on purpose (a choice per prompt would never be reused):
-the file records what it was probed on (`probed_on`), and a request of another kind should
-refresh it. An unreadable or stale file (a candidate this version no longer weighs) is probed
-again, never trusted.
+  remembered  a choice this machine made before for the same key (below), decoded at once;
+  prior       the drafters' recorded acceptance and cycle costs (PRIORS: drafters/auto_priors.json,
+              written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
+              cycle in AR steps, for a platform and batch). No probing: the choice takes
+              milliseconds. The decode then measures the chosen candidate's τ and cycle time
+              (`learn`): its own prediction becomes the measurement, the others' cycles are
+              rescaled by the AR step it implies, and the remembered choice moves to whichever
+              now predicts fastest, to be measured in its turn by the next request;
+  probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
+              candidate decodes the request's first PROBE_PROMPTS prompts for up to
+              PROBE_TOKENS tokens (the first warms the programs up), and E[τ] and the cycle time
+              are the probes' own (the cost model's, costmodel.measure, for probes too short to
+              time). Minutes for SmolLM2 on a 2-core CPU: one program per candidate.
+
+Acceptance depends on the prompts (prompt lookup thrives where the answer repeats the prompt,
+and its τ grows along a completion), so a prior measured on other prompts is a starting point;
+`learn` and `auto_probe` measure the request's own.
+
+The stats report the choice (`auto_choice`), its source (`auto_source`), its prediction
+(`predicted_tokens_per_s`, or `predicted_tokens_per_ar_step` from a prior alone) and every
+candidate's figures (`auto_candidates`); `auto_reason` is the line printed to stderr.
+
+The choice is remembered in a JSON file under ~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE
+overrides), keyed by everything the ranking depends on but the prompts' text: the device kind
+and count, the JAX version, the target's fingerprint and dtype, each drafter's config and a
+digest of its weights, the batch, the sampling settings, the speculative knobs the request
+fixes, chat or not, and the context window the request needs (prompt + max_new_tokens: cycle
+costs depend on it). `auto_refresh=True` chooses again and replaces it. An unreadable or stale
+file (a candidate this version no longer weighs) is chosen again, never trusted.
 """
 from __future__ import annotations
 
@@ -82,27 +77,148 @@ def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
 def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
            log=print):
   """(the Options to decode with, auto stats) for an Options whose method is 'auto': the
-  remembered choice for this key when there is one (and no auto_refresh), else a fresh probe of
-  every candidate, which is then remembered."""
+  remembered choice for this key (unless auto_refresh or auto_probe), else the prediction from
+  the drafters' prior (unless auto_probe), else a probe of every candidate; remembered."""
   started = time.perf_counter()
   longest = max(len(p) for p in prompt_ids)
   path = os.path.join(choice_dir(), remembered_key(target, drafters, options, batch, longest)
                       + '.json')
-  record = None if options.auto_refresh else _read_remembered(path, drafters, log)
+  fresh = options.auto_refresh or options.auto_probe
+  record = None if fresh else _read_remembered(path, drafters, log)
   source = 'remembered'
+  if record is None and not options.auto_probe:
+    record, source = from_prior(target, drafters, options, batch), 'prior'
   if record is None:
     log(f'auto: probing {len(candidates(drafters))} configurations on this machine, once for '
         f'these settings (minutes; an explicit method skips it); remembered in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
+  if source != 'remembered':
     costmodel.write_json(path, record)
   best = record['auto_candidates'][record['auto_choice']]
   chosen = dataclasses.replace(options, method=best['method'],
                                spec={**options.spec, **best['spec']})
+  reason = explain(record, source)
+  log(reason)
   return chosen, {'auto_choice': record['auto_choice'],
                   'predicted_tokens_per_s': record['predicted_tokens_per_s'],
                   'auto_candidates': record['auto_candidates'],
                   'cost_device': record['cost_device'], 'auto_source': source, 'auto_file': path,
-                  'auto_s': round(time.perf_counter() - started, 2)}
+                  'auto_reason': reason, 'auto_s': round(time.perf_counter() - started, 3)}
+
+
+def explain(record: dict, source: str) -> str:
+  """One line: what auto chose, from what, and the runner-up."""
+  table, best = record['auto_candidates'], record['auto_choice']
+  key = ('predicted_tokens_per_s' if record['predicted_tokens_per_s'] is not None else
+         'predicted_tokens_per_ar_step')
+  unit = 'tokens/s' if key == 'predicted_tokens_per_s' else 'tokens per AR step'
+  ranked = sorted(table, key=lambda k: -table[k][key])
+  row = table[best]
+  runner_up = next((k for k in ranked if k != best), None)
+  origin = {'prior': f"the drafters' recorded acceptance ({record.get('prior_file')})",
+            'probed': 'probes of every candidate on these prompts',
+            'remembered': f"this machine's remembered choice ({record.get('source', 'probed')})"
+            }[source]
+  line = (f'auto: {best} (predicted {row[key]:.2f} {unit}: τ {row["tau"]:.2f}, cycle '
+          f'{row["cycle_ar_steps"]:.2f} AR steps) from {origin}')
+  if runner_up is not None:
+    line += f'; next best {runner_up} ({table[runner_up][key]:.2f})'
+  return line + '; --config.auto_probe=True times every candidate on these prompts'
+
+
+# ----------------------------------------------------------------------------------------------
+# The prior: acceptance and cycle costs recorded with the drafters
+
+
+RECORD_PRIORS = 1  # the priors file format
+
+
+def priors_path() -> str:
+  return os.environ.get('D2SD_AUTO_PRIORS',
+                        os.path.join(checkpoints.REPO_ROOT, 'drafters', 'auto_priors.json'))
+
+
+def _defaults_only(spec: dict) -> bool:
+  """Whether the request fixes no speculative knob away from SpecSettings' default (a prior is
+  recorded at the defaults, with each candidate's own gamma and K)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)}
+  return all(v is None or k in ('gamma', 'n_branches') or defaults.get(k) == v
+             for k, v in spec.items())
+
+
+def prior_for(target, drafters: dict, batch: int, path: str | None = None) -> dict | None:
+  """The recorded prior for this target, these drafters (weights digests), this platform and
+  batch, or None."""
+  path = path or priors_path()
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      book = json.load(f)
+    records = book['records'] if book.get('version') == RECORD_PRIORS else []
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  platform = jax.devices()[0].platform
+  fingerprint = checkpoints.target_fingerprint(target)
+  digests = {n: params_digest(p) for n, (_, p) in drafters.items()}
+  for rec in records:
+    if (rec.get('target') == fingerprint and rec.get('platform') == platform and
+        rec.get('batch') == batch and rec.get('drafters') == digests):
+      return rec
+  return None
+
+
+def from_prior(target, drafters: dict, options, batch: int, path: str | None = None):
+  """The record `choose` remembers, predicted from the drafters' prior alone (None where there
+  is no prior for every candidate, or the request changes what it measured: sampling, knobs)."""
+  if (options.temperature != 0 or not _defaults_only(options.spec)):
+    return None
+  rec = prior_for(target, drafters, batch, path)
+  if rec is None or not all(label in rec['candidates'] for label, _, _ in candidates(drafters)):
+    return None
+  table = {}
+  for label, method, knobs in candidates(drafters):
+    c = rec['candidates'][label]
+    if (c['method'], c['spec']) != (method, knobs):
+      return None
+    table[label] = {'method': method, 'spec': knobs, 'tau': c['tau'],
+                    'cycle_ar_steps': c['cycle_ar_steps'],
+                    'predicted_tokens_per_ar_step': round(c['tau'] / c['cycle_ar_steps'], 4)}
+  best = max(table, key=lambda k: table[k]['predicted_tokens_per_ar_step'])
+  return {'version': RECORD_VERSION, 'auto_choice': best, 'predicted_tokens_per_s': None,
+          'auto_candidates': table, 'cost_device': jax.devices()[0].device_kind,
+          'source': 'prior', 'prior_file': path or priors_path(), 'prior_run': rec.get('run'),
+          'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+
+
+def learn(path: str, stats: dict, batch: int) -> dict | None:
+  """After a decode chosen from a prior: its measured τ and cycle time replace the chosen
+  candidate's prediction, the others' cycles are rescaled by the AR step that measurement
+  implies, and the remembered choice becomes whichever now predicts fastest (measured in its
+  turn by the next request). Decodes too short to time (< MIN_PROBE_CYCLES loop steps) teach
+  nothing. Returns the rewritten record, or None."""
+  if not os.path.exists(path) or stats.get('decode_steps', 0) < MIN_PROBE_CYCLES:
+    return None
+  with open(path) as f:
+    record = json.load(f)
+  if record.get('source') not in ('prior', 'prior+measured'):
+    return None  # a probed record was measured on the request's own prompts already
+  label, table = record['auto_choice'], record['auto_candidates']
+  cycle_ms = 1e3 * stats['decode_s'] / stats['decode_steps']
+  record['measured'][label] = {'tau': stats.get('tau') or 1.0, 'cycle_ms': round(cycle_ms, 4),
+                               'decode_steps': stats['decode_steps']}
+  ar_ms = cycle_ms / table[label]['cycle_ar_steps']  # this machine's AR step, as implied
+  for name, row in table.items():
+    got = record['measured'].get(name)
+    tau = got['tau'] if got else row['tau']
+    cycle = got['cycle_ms'] if got else row['cycle_ar_steps'] * ar_ms
+    row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=bool(got),
+               predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
+  best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+  record.update(auto_choice=best, predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
+                source='prior+measured')
+  costmodel.write_json(path, record)
+  return record
 
 
 def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
@@ -159,9 +275,12 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
                     'probe_cycles': steps,
                     'predicted_tokens_per_s': round(throughput.tokens_per_s(tau, cycle_s, batch),
                                                     2)}
+  ar_ms = table['ar']['cycle_ms']
+  for row in table.values():
+    row['cycle_ar_steps'] = round(row['cycle_ms'] / ar_ms, 4)
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   digest = hashlib.sha256(json.dumps(probe_ids).encode()).hexdigest()[:16]
-  return {'version': RECORD_VERSION, 'auto_choice': best,
+  return {'version': RECORD_VERSION, 'auto_choice': best, 'source': 'probed',
           'predicted_tokens_per_s': table[best]['predicted_tokens_per_s'],
           'auto_candidates': table,
           'cost_device': costs.device if costs else jax.devices()[0].device_kind,
@@ -173,7 +292,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
 # ----------------------------------------------------------------------------------------------
 # The remembered choice
 
-RECORD_VERSION = 1  # a record written under another version is probed again
+RECORD_VERSION = 2  # a record written under another version is chosen again
 
 
 def choice_dir() -> str:
@@ -225,10 +344,10 @@ def _read_remembered(path: str, drafters: dict, log) -> dict | None:
     stale = (record.get('version') != RECORD_VERSION or set(table) != set(weighed) or
              (row['method'], row['spec']) != weighed[record['auto_choice']])
   except (OSError, ValueError, KeyError, TypeError) as e:
-    log(f'auto: the remembered choice {path} is unreadable ({type(e).__name__}: {e}); probing '
+    log(f'auto: the remembered choice {path} is unreadable ({type(e).__name__}: {e}); choosing '
         'again')
     return None
   if stale:
-    log(f'auto: the remembered choice {path} weighed other configurations; probing again')
+    log(f'auto: the remembered choice {path} weighed other configurations; choosing again')
     return None
   return record

@@ -83,6 +83,9 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     if options.stage_times:  # three more programs to compile: only on request
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
   stats.update(auto_stats)
+  if auto_stats and auto_stats['auto_source'] != 'probed':
+    # what this decode measured refines the remembered choice for the next request
+    stats['auto_learned'] = autoconfig.learn(auto_stats['auto_file'], stats, batch) is not None
   return completions, stats
 
 

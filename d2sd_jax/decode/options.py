@@ -44,9 +44,17 @@ class Options:
   # SpecSettings knobs (gamma, n_branches, steps, ...); a missing one takes `spec_fields`' default.
   spec: dict = dataclasses.field(default_factory=dict)
   stage_times: bool = False  # also time draft / verify / accept alone (3 more programs compile)
-  # method='auto': probe again even where this machine remembers a choice for the same key
+  # method='auto': choose again even where this machine remembers a choice for the same key
   # (autoconfig.remembered_key), and remember the new one
   auto_refresh: bool = False
+  # method='auto': decode every candidate on the request's first prompts and time it (minutes),
+  # instead of predicting from the drafters' recorded acceptance (autoconfig.PRIORS)
+  auto_probe: bool = False
+
+
+# Every field decode.py reads: the request's (Options) and the run's (config_check.RUN_FIELDS).
+DECODE_FIELDS = {**{f.name: None for f in dataclasses.fields(Options) if f.name != 'spec'},
+                 'spec': set(config_check.SPEC_KNOBS), **config_check.RUN_FIELDS}
 
 
 def methods() -> tuple[str, ...]:
@@ -142,7 +150,7 @@ def parse_chat_template_kwargs(value) -> dict:
 
 def validate(config: ml_collections.ConfigDict) -> Options:
   """decode.py's start-up checks, before anything loads: they name the field and the fix."""
-  config_check.check_fields(config, config_check.DECODE_FIELDS, 'decode')
+  config_check.check_fields(config, DECODE_FIELDS, 'decode')
   if config.prompt and config.prompts_file:
     raise ValueError('give prompt (a string) or prompts_file (a JSONL path with a "prompt" field '
                      'per line), not both')

@@ -74,7 +74,7 @@ def manager(directory: str, keep: int | None = None, create: bool = True):
       max_to_keep=keep, create=create))
 
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def resolve_path(path: str) -> str:

@@ -55,7 +55,7 @@ def window(prompt_ids, response_ids, seq_len: int, pad_id: int, min_context: int
   return tokens, label
 
 
-def _held_out_ids(ids: list[str], fraction: float) -> np.ndarray:
+def held_out_ids(ids: list[str], fraction: float) -> np.ndarray:
   return np.asarray([int(hashlib.sha256(i.encode()).hexdigest()[:8], 16) / 2**32 < fraction
                      for i in ids], bool)
 
@@ -89,7 +89,7 @@ class SequenceData:
     ids, has_response = self.source.index()
     n = len(self.source)
     held = (_held_out_indices(n, eval_fraction) if ids is None else
-            _held_out_ids(ids, eval_fraction))
+            held_out_ids(ids, eval_fraction))
     ok = np.ones(n, bool) if has_response is None else has_response
     self.records = {'train': np.flatnonzero(ok & ~held), 'eval': np.flatnonzero(ok & held)}
     if not self.size('train'):
