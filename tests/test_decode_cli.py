@@ -223,10 +223,10 @@ def test_prompts_file_takes_conversations_in_every_format(tiny_folder, tmp_path)
 @pytest.mark.slow
 def test_decode_py_on_smollm2(smollm2, auto_choices):
   """The README's command, on the real target with the shipped drafters, through the real entry
-  point. Its default, method='auto', would probe SmolLM2's candidates for minutes here, so the
-  test gives it a remembered choice for exactly this request's key (D²SD with K = 4, which the
-  probes would not pick on this CPU): decode.py decodes with that at once, no probe, and the
-  completion equals plain AR's."""
+  point: method='auto' chooses from the shipped drafters' prior (no probe) and says so in one
+  line; then, with a remembered choice for exactly this request's key (D²SD with K = 4, which
+  the prior would not pick on this CPU), decodes with that at once. Every completion equals
+  plain AR's, and no Orbax or absl INFO line reaches the terminal."""
   from d2sd_jax.decode import autoconfig  # pylint: disable=import-outside-toplevel
   prompt, new_tokens = 'What is the capital of France?', 12
   config = smollm2_config.get_config()
@@ -240,26 +240,35 @@ def test_decode_py_on_smollm2(smollm2, auto_choices):
   table = {label: {'method': m, 'spec': k, 'predicted_tokens_per_s': 1.0}
            for label, m, k in autoconfig.candidates(drafters)}
   table['d2sd(K=4)']['predicted_tokens_per_s'] = 2.0
-  auto_choices.mkdir()
-  (auto_choices / f'{key}.json').write_text(json.dumps(
-      {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'd2sd(K=4)',
-       'predicted_tokens_per_s': 2.0, 'auto_candidates': table, 'cost_device': 'cpu'}))
   out = {}
-  for extra in ([], ['--config.method=ar']):
+
+  def decode(*extra):
     proc = subprocess.run(
         [sys.executable, 'decode.py', '--config', 'configs/smollm2.py',
          f'--config.max_new_tokens={new_tokens}', f'--config.prompt={prompt}', *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ' I1' not in proc.stderr and 'INFO' not in proc.stderr, proc.stderr[-3000:]
     *text, last = proc.stdout.strip().split('\n')
     stats = json.loads(last)
-    out[stats['method']] = '\n'.join(text)
+    out[stats['auto_source'] if 'auto_source' in stats else 'ar'] = '\n'.join(text)
     assert 1 <= stats['new_tokens'] <= new_tokens
-    if stats['method'] == 'd2sd':
-      assert (stats['auto_source'], stats['auto_choice']) == ('remembered', 'd2sd(K=4)')
-      assert stats['cycles'] >= 1 and stats['tau'] >= 1.0 and stats['tree_size'] == 36
-  assert set(out) == {'d2sd', 'ar'}
-  assert out['d2sd'] == out['ar'] and 'Paris' in out['ar']
+    return stats, proc.stderr
+
+  stats, err = decode()  # no remembered choice: the prior
+  assert stats['auto_source'] == 'prior' and stats['auto_reason'] in err
+  assert stats['auto_choice'] in stats['auto_candidates'] and 'auto_priors.json' in err
+  os.remove(stats['auto_file'])
+  auto_choices.mkdir(exist_ok=True)
+  (auto_choices / f'{key}.json').write_text(json.dumps(
+      {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'd2sd(K=4)',
+       'predicted_tokens_per_s': 2.0, 'auto_candidates': table, 'cost_device': 'cpu'}))
+  stats, _ = decode()
+  assert (stats['auto_source'], stats['auto_choice']) == ('remembered', 'd2sd(K=4)')
+  assert stats['cycles'] >= 1 and stats['tau'] >= 1.0 and stats['tree_size'] == 36
+  decode('--config.method=ar')
+  assert set(out) == {'prior', 'remembered', 'ar'}
+  assert out['prior'] == out['remembered'] == out['ar'] and 'Paris' in out['ar']
 
 
 def test_speculative_batches_of_different_prompt_widths(tiny_folder, tmp_path):

@@ -119,8 +119,10 @@ def explain(record: dict, source: str) -> str:
             'probed': 'probes of every candidate on these prompts',
             'remembered': f"this machine's remembered choice ({record.get('source', 'probed')})"
             }[source]
-  line = (f'auto: {best} (predicted {row[key]:.2f} {unit}: τ {row["tau"]:.2f}, cycle '
-          f'{row["cycle_ar_steps"]:.2f} AR steps) from {origin}')
+  detail = ', '.join(f'{name} {row[field]:.2f}' for name, field in
+                     (('τ', 'tau'), ('cycle in AR steps', 'cycle_ar_steps')) if field in row)
+  line = (f'auto: {best} (predicted {row[key]:.2f} {unit}' + (f': {detail}' if detail else '') +
+          f') from {origin}')
   if runner_up is not None:
     line += f'; next best {runner_up} ({table[runner_up][key]:.2f})'
   return line + '; --config.auto_probe=True times every candidate on these prompts'
