@@ -41,6 +41,7 @@ import numpy as np
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec import ar
+from d2sd_jax.spec import drafting
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.spec import tree as tree_lib
@@ -249,12 +250,6 @@ def write_json(path: str, obj) -> None:
 # Prediction for other hardware
 
 
-# The drafter passes of each method's draft (branches of one drafter go through it together).
-DRAFTER_PASSES = {'dflash': ('drafter1',), 'dflash_resample': ('drafter1',),
-                  'dflash_dflash': ('drafter1', 'drafter1'), 'd2sd': ('drafter1', 'drafter2'),
-                  'd2sd_pld': ('drafter1', 'drafter2')}
-
-
 def _abstract(fn, *args):
   return jax.eval_shape(fn, *args)
 
@@ -323,7 +318,7 @@ def predict(tcfg: model_lib.ModelConfig, chip: Chip, specs: list[SP.SpecSettings
     # Each drafter pass reads its weights, the target's LM head and its context K/V.
     head = tcfg.vocab_size * tcfg.d_model * jnp.dtype(tcfg.dtype).itemsize
     nbytes = 0
-    for name in DRAFTER_PASSES.get(spec.method, ()):
+    for name in drafting.get(spec.method).drafter_passes:
       dcfg = getattr(spec, name)
       nbytes += _nbytes(dparams[name]) + head + _kv_bytes(
           dcfg.n_layers, dcfg.n_kv_heads, dcfg.head_dim, context, batch, tcfg.dtype)

@@ -35,6 +35,13 @@ class Method:
   # Candidate nodes it produces (the anchor included), before settings.tree_budget cuts them.
   nodes: Callable[..., int] = lambda settings: settings.gamma
   branched: bool = False  # re-drafts settings.n_branches branches (n_branches is checked)
+  # The drafter passes of one draft, in order (a drafter's branches go through it together);
+  # None: one pass of each drafter it reads. The cost model prices a draft by them.
+  passes: tuple[str, ...] | None = None
+
+  @property
+  def drafter_passes(self) -> tuple[str, ...]:
+    return self.drafters if self.passes is None else self.passes
 
 
 def _chain_and_branches(settings) -> int:
@@ -282,7 +289,8 @@ register('pld', Method(pld))
 register('dflash', Method(dflash, drafters=('drafter1',)))
 register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_branches,
                                    branched=True))
-register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True))
+register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True,
+                                 passes=('drafter1', 'drafter1')))
 register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
                             lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True))
