@@ -20,12 +20,12 @@ import time
 
 import jax
 
+from d2sd_jax import files
 from d2sd_jax.decode import autoconfig
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
-from d2sd_jax.perf import costmodel
 from d2sd_jax.train import data as data_lib
 from d2sd_jax.train import records as records_lib
 
@@ -85,7 +85,7 @@ def main():
   keep = [r for r in book['records'] if (r['target'], r['platform'], r['batch'], r['drafters'])
           != (record['target'], record['platform'], record['batch'], record['drafters'])]
   book['records'] = keep + [record]
-  costmodel.write_json(args.out, book)
+  files.write_json(args.out, book)
   print(json.dumps(record, indent=1))
 
 

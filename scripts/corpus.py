@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from d2sd_jax import files
 from d2sd_jax.formats import loaders
 from d2sd_jax.train import corpus
 
@@ -68,8 +69,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(meta_path, 'w') as f:
       json.dump({**meta, 'windows': len(tokens)}, f)
-    np.save(windows_path + '.tmp.npy', tokens)
-    os.replace(windows_path + '.tmp.npy', windows_path)  # (after meta.json: it marks the cut)
+    with files.replaced(windows_path, '.npy') as tmp:  # (after meta.json: it marks the cut)
+      np.save(tmp, tokens)
   if args.max_windows:
     tokens = tokens[:args.max_windows]
   corpus.label_shards(target.params, target.cfg, tokens, args.out, args.shard_windows,

@@ -12,17 +12,19 @@ import pytest
 import d2sd_jax
 
 PACKAGE = os.path.dirname(d2sd_jax.__file__)
-# What each part may import of the package (besides itself). The two top-level helpers:
-# config_check (config files' fields, read by decode/ and train/) and cli (the error line).
+# What each part may import of the package (besides itself). The top-level helpers:
+# config_check (config files' fields, read by decode/ and train/), cli (the error line) and
+# files (whole-or-nothing writes).
 ALLOWED = {
     'models': set(),
     'spec': {'models'},
-    'formats': {'models', 'cli'},
-    'perf': {'models', 'spec', 'formats'},
-    'decode': {'models', 'spec', 'formats', 'perf', 'config_check'},
-    'train': {'models', 'spec', 'formats', 'perf', 'config_check'},
+    'formats': {'models', 'cli', 'files'},
+    'perf': {'models', 'spec', 'formats', 'files'},
+    'decode': {'models', 'spec', 'formats', 'perf', 'config_check', 'files'},
+    'train': {'models', 'spec', 'formats', 'perf', 'config_check', 'files'},
     'config_check': {'models', 'spec'},
     'cli': set(),
+    'files': set(),
 }
 
 

@@ -45,6 +45,7 @@ import time
 import jax
 import numpy as np
 
+from d2sd_jax import files
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.perf import throughput
@@ -93,7 +94,7 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
         f'these settings (minutes; an explicit method skips it); remembered in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
   if source != 'remembered':
-    costmodel.write_json(path, record)
+    files.write_json(path, record)
   best = record['auto_candidates'][record['auto_choice']]
   chosen = dataclasses.replace(options, method=best['method'],
                                spec={**options.spec, **best['spec']})
@@ -219,7 +220,7 @@ def learn(path: str, stats: dict, batch: int) -> dict | None:
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   record.update(auto_choice=best, predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
                 source='prior+measured')
-  costmodel.write_json(path, record)
+  files.write_json(path, record)
   return record
 
 

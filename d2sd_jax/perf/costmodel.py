@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from d2sd_jax import files
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec import ar
 from d2sd_jax.spec import drafting
@@ -232,18 +233,8 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
                      ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
                      cycles=cycle_s)
-  write_json(path, costs.to_json())
+  files.write_json(path, costs.to_json())
   return costs
-
-
-def write_json(path: str, obj) -> None:
-  """A cache file written whole or not at all (beside, then renamed): a reader never sees
-  half a file (the cost model's, and autoconfig's remembered choices)."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f'{path}.{os.getpid()}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------

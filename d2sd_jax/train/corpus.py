@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from d2sd_jax import files
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import sampling as sampling_lib
 
@@ -168,9 +169,8 @@ def label_shards(params, cfg, tokens_NxL: np.ndarray, out: str, shard_windows: i
       padded = np.concatenate([batch, np.repeat(batch[:1], batch_size - len(batch), 0)])
       parts.append(jax.tree.map(lambda x, k=len(batch): np.asarray(x)[:k], fn(params, padded)))
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    tmp = shard_path(out, n) + '.tmp.npz'
-    np.savez_compressed(tmp, tokens=shard, **arrays)
-    os.replace(tmp, shard_path(out, n))  # a shard exists only once complete
+    with files.replaced(shard_path(out, n), '.npz') as tmp:  # a shard exists only once complete
+      np.savez_compressed(tmp, tokens=shard, **arrays)
     done += len(shard)
     log(f'shard {n}: {len(shard)} windows; {done * tokens_NxL.shape[1] / (time.time() - t0):.0f}'
         ' tokens/s')

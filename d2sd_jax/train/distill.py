@@ -34,6 +34,7 @@ import os
 import sysconfig
 import time
 
+from d2sd_jax import files
 from d2sd_jax.train import batching
 from d2sd_jax.formats import conversations
 from d2sd_jax.models import sampling as sampling_lib
@@ -129,10 +130,8 @@ def encoded(rows: list[dict], tok, max_prompt_tokens: int,
 
 def write_shard(path: str, records: list[dict]) -> None:
   """One gzip JSONL shard, written beside and renamed: a shard exists only once complete."""
-  tmp = path + '.tmp'
-  with gzip.open(tmp, 'wt') as f:
+  with files.replaced(path) as tmp, gzip.open(tmp, 'wt') as f:
     f.write('\n'.join(json.dumps(r) for r in records) + '\n')
-  os.replace(tmp, path)
 
 
 def distill(prompts: list[dict], out: str, generator: batching.Generator, shard_size: int,

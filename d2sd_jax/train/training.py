@@ -31,6 +31,7 @@ from tqdm import tqdm
 from d2sd_jax.train import calibration
 from d2sd_jax.formats import checkpoints as ckpt
 from d2sd_jax import config_check
+from d2sd_jax import files
 from d2sd_jax.train import data as data_lib
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.train import grain_data
@@ -234,17 +235,17 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
     if feats.shape == (N, L, F):
       return feats
   os.makedirs(directory, exist_ok=True)
-  tmp = path + '.tmp'
-  out = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.float16, shape=(N, L, F))
   fn = jax.jit(lambda p, t: target_features(p, target.cfg, dcfg, t).astype(jnp.float16))
-  for i in tqdm(range(0, N, batch), desc='target features', mininterval=10, disable=not progress):
-    rows = tokens_NxL[i:i + batch]
-    pad = batch - len(rows)
-    rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
-    out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
-  out.flush()
-  del out
-  os.replace(tmp, path)  # complete files only
+  with files.replaced(path) as tmp:  # complete files only
+    out = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.float16, shape=(N, L, F))
+    for i in tqdm(range(0, N, batch), desc='target features', mininterval=10,
+                  disable=not progress):
+      rows = tokens_NxL[i:i + batch]
+      pad = batch - len(rows)
+      rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
+      out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
+    out.flush()
+    del out
   return np.load(path, mmap_mode='r')
 
 
