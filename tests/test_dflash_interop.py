@@ -132,6 +132,7 @@ def test_wrong_conversions_are_caught(target, drafter, ref, name):
                          **TOL)
 
 
+@pytest.mark.slow
 def test_greedy_dflash_matches_reference_loop(target, drafter, ref):
   """Our `dflash` method (batch of 3, one cycle at a time, caches checked against a fresh
   prefill at the end) commits what the reference loop commits, cycle by cycle, and outputs the

@@ -161,10 +161,15 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
 # ----------------------------------------------------------------------------------------------
 # Drafter-based methods, with tiny drafters trained on the target: drafts are accepted.
 
+SLOW = pytest.mark.slow  # multi-step denoising, a node budget and merged re-drafts: slow tier
+
+
 @pytest.mark.parametrize('method,steps,budget,redraft', [
-    ('dflash', 1, 0, 'exclude'), ('dflash', 2, 0, 'exclude'), ('dflash_resample', 1, 0, 'exclude'),
-    ('dflash_dflash', 1, 0, 'exclude'), ('d2sd', 1, 0, 'exclude'), ('d2sd', 3, 11, 'exclude'),
-    ('d2sd_pld', 1, 0, 'exclude'), ('d2sd', 1, 0, 'merge'), ('d2sd_pld', 1, 0, 'merge')])
+    ('dflash', 1, 0, 'exclude'), pytest.param('dflash', 2, 0, 'exclude', marks=SLOW),
+    ('dflash_resample', 1, 0, 'exclude'), ('dflash_dflash', 1, 0, 'exclude'),
+    ('d2sd', 1, 0, 'exclude'), pytest.param('d2sd', 3, 11, 'exclude', marks=SLOW),
+    ('d2sd_pld', 1, 0, 'exclude'), pytest.param('d2sd', 1, 0, 'merge', marks=SLOW),
+    pytest.param('d2sd_pld', 1, 0, 'merge', marks=SLOW)])
 def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
   D2SD also on drafter 2's branches). The bundle is prepared as decoding.SpecRunner prepares it

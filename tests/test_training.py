@@ -219,6 +219,7 @@ def test_damaged_checkpoint_is_explained_and_others_survive(tiny_folder, distill
   assert out['step'] == 9
 
 
+@pytest.mark.slow
 def test_crash_mid_save_is_never_loaded(tiny_folder, distill_dir, tmp_path):
   """A save cut short (a killed process) leaves Orbax's temporary folder: resuming ignores it,
   continues from the last finished checkpoint and ends exactly like an uninterrupted run."""
