@@ -12,6 +12,7 @@ from d2sd_jax.decode import api
 
 
 
+@pytest.mark.slow
 def test_decoder_generates_losslessly_and_round_trips(tiny_folder, tiny_drafters, tmp_path):
   dec = d2sd_jax.load(tiny_folder, **tiny_drafters)
   assert dec.method == 'd2sd'

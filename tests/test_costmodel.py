@@ -122,6 +122,7 @@ def test_roofline_prediction_at_qwen3_8b_shapes():
 # method='auto'
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folder, cost_cache,
                                                                       auto_choices, monkeypatch):
   probed = []  # the prompts each probe decode got

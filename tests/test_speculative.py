@@ -79,6 +79,7 @@ def oracle_drafter(reference_BxN, corrupt):
   return draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('corrupt', [False, True])
 def test_perfect_and_adversarial_drafters(tiny, monkeypatch, corrupt):
   cfg, params = tiny
@@ -260,6 +261,7 @@ def test_drafting_and_acceptance_keys_never_collide(tiny):
     assert not seen[b] & ar_keys
 
 
+@pytest.mark.slow
 def test_resampled_branch_of_a_certain_drafter_is_dropped_not_nan(tiny, trained, monkeypatch):
   """Drafter 1 with probability exactly 1 on its chain token: no other token is left to
   resample at that branch's first position. The branch is dropped; nothing is NaN; the output

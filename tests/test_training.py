@@ -39,7 +39,8 @@ def tiny_config(target, data, workdir, kind='drafter1', steps=6):
   return c
 
 
-@pytest.mark.parametrize('kind', ['drafter1', pytest.param('drafter2', marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('kind', ['drafter1', 'drafter2'])
 def test_training_lowers_the_loss(tiny_folder, distill_dir, tmp_path, kind):
   out = training.run(tiny_config(tiny_folder, distill_dir, str(tmp_path / kind), kind, steps=30))
   lines = [json.loads(l) for l in open(tmp_path / kind / 'metrics.jsonl')]
