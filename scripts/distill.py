@@ -1,6 +1,7 @@
 """Distillation data: the target's own responses to training prompts (d2sd_jax/train/distill.py):
 
   python scripts/distill.py --out data/distill --max_prompts 4096
+  python scripts/distill.py --out data/distill-questions --source questions --max_prompts 4800
   python scripts/distill.py --out data/chat --prompts sharegpt.jsonl
   python scripts/distill.py --out data/t07 --config configs/smollm2.py --temperature 0.7
 """
@@ -47,6 +48,10 @@ def arg_parser() -> argparse.ArgumentParser:
   parser.add_argument('--length_bounds', default='128', help='cache classes: prompts up to '
                       'each bound (and up to --max_prompt_tokens) share a cache size')
   parser.add_argument('--prompt_bucket', type=int, default=32, help='prefill width multiple')
+  parser.add_argument('--source', default='stdlib', choices=distill.SOURCES,
+                      help='the built-in prompts: the standard library\'s documented functions, '
+                      'the installed packages\' (numpy never), or everyday questions made from '
+                      'WordNet\'s common nouns (apt-get install wordnet-base)')
   parser.add_argument('--prompts', default='', help='a JSONL of prompts or conversations '
                       '(d2sd_jax.formats.conversations) instead of the standard-library requests')
   parser.add_argument('--chunk_shards', type=int, default=4, help='--prompts: shards generated '
@@ -61,7 +66,12 @@ def main(argv=None):
     teacher = distill.teacher_settings(args)
     convs = conversations.read(args.prompts) if args.prompts else None
     os.makedirs(args.out, exist_ok=True)
-    distill.check_settings(args.out, {**teacher, 'max_new_tokens': args.max_new_tokens})
+    recorded = {**teacher, 'max_new_tokens': args.max_new_tokens}
+    if not args.prompts and args.source != 'stdlib':
+      recorded['source'] = args.source
+    distill.check_settings(args.out, recorded)
+    rows = None if convs is not None else distill.training_prompts(args.max_prompts,
+                                                                   source=args.source)
   except (ValueError, OSError) as e:
     parser.error(str(e))
 
@@ -84,7 +94,7 @@ def main(argv=None):
                                    args.max_prompt_tokens, args.chunk_shards, log,
                                    teacher['seed'], template)
   else:
-    prompts = distill.encoded(distill.training_prompts(args.max_prompts), tok, args.max_prompt_tokens, template)
+    prompts = distill.encoded(rows, tok, args.max_prompt_tokens, template)
     tokens = distill.distill(prompts, args.out, generator, args.shard_size, log, teacher['seed'])
   print(f'{tokens} tokens in {time.time() - t0:.0f} s ({generator.compile_s:.0f} s compiling)',
         flush=True)

@@ -218,7 +218,8 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
 
 
 def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,
-            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence', forbid_BxQ=None):
+            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence', forbid_BxQ=None,
+            topk: int = 0):
   """Fills the masked positions of Q / gamma blocks per row (side by side, each bidirectional
   within itself, all seeing the same context) in `steps` denoising passes.
 
@@ -233,6 +234,9 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
 
   Returns (tokens [B, Q], confidence [B, Q] = max prob when drafted (1 for given tokens),
   probs [B, Q, V] = the distribution each position was drafted from (one-hot for given tokens)).
+  With topk = k > 0, also (log-probs [B, Q, k], token ids [B, Q, k]): each position's k likeliest
+  tokens under its calibrated distribution softmax(logits / confidence_temperature), best first
+  (a given token: itself with log-prob 0, then -inf); DDTree's per-position marginals.
   """
   if order not in ('confidence', 'left_to_right'):
     raise ValueError(f"order={order!r}: use 'confidence' or 'left_to_right'")
@@ -254,6 +258,9 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
   if forbid_BxQ is not None:
     forbid_BxQ = jnp.where(forbid_BxQ >= 0, head_index(dparams, forbid_BxQ, V), -1)
   tokens, is_mask = tokens_BxQ, is_mask_BxQ
+  if topk:
+    top_logp_out = jnp.where(jnp.arange(topk) == 0, 0.0, -jnp.inf) * jnp.ones((B, Q, 1))
+    top_ids_out = jnp.broadcast_to(tokens_BxQ[..., None], (B, Q, topk)).astype(jnp.int32)
   for _ in range(steps):
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
                      ctx_mask_BxS, None, head_only=True, block_size=G)  # [B, Q, N]
@@ -277,7 +284,18 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
       rank = jnp.argsort(jnp.argsort(-score, axis=2), axis=2)  # 0 = best, within each block
       pick = is_mask & (rank < per_step[..., None]).reshape(B, Q)
     tokens = jnp.where(pick, pred, tokens)
+    if topk:
+      logp_k, ids_k = jax.lax.top_k(jax.nn.log_softmax(logits / dcfg.confidence_temperature),
+                                    min(topk, N))
+      ids_k = ids_k if head_ids is None else head_ids[ids_k]
+      if topk > N:  # fewer tokens than asked for: the rest are impossible
+        logp_k = jnp.pad(logp_k, ((0, 0), (0, 0), (0, topk - N)), constant_values=-jnp.inf)
+        ids_k = jnp.pad(ids_k, ((0, 0), (0, 0), (0, topk - N)))
+      top_logp_out = jnp.where(pick[..., None], logp_k, top_logp_out)
+      top_ids_out = jnp.where(pick[..., None], ids_k.astype(jnp.int32), top_ids_out)
     conf_out = jnp.where(pick, conf, conf_out)
     probs_out = jnp.where(pick[..., None], probs, probs_out)
     is_mask = is_mask & ~pick
+  if topk:
+    return tokens, conf_out, probs_out, (top_logp_out, top_ids_out)
   return tokens, conf_out, probs_out

@@ -38,6 +38,8 @@ class Method:
   # The drafter passes of one draft, in order (a drafter's branches go through it together);
   # None: one pass of each drafter it reads. The cost model prices a draft by them.
   passes: tuple[str, ...] | None = None
+  # Its tree is the best tree_budget nodes of a scored pool (any budget >= 2 is meaningful).
+  budgeted: bool = False
 
   @property
   def drafter_passes(self) -> tuple[str, ...]:
@@ -46,6 +48,11 @@ class Method:
 
 def _chain_and_branches(settings) -> int:
   return settings.gamma + settings.n_branches * (settings.gamma - 1)
+
+
+def _budget(settings) -> int:
+  """A best-first tree's nodes: the budget, else as many as D2SD's full tree."""
+  return settings.tree_budget or _chain_and_branches(settings)
 
 
 REGISTRY: dict[str, Method] = {}  # filled at the bottom of this module
@@ -68,11 +75,19 @@ def pld(params, cfg, settings, state) -> tree_lib.Tree:
   """Prompt lookup: find an earlier occurrence of the last n committed tokens (the longest n up to
   ngram_max that occurs) and propose the gamma-1 tokens that followed it."""
   del params, cfg
+  draft, valid, _ = lookup(settings, state)
+  return tree_lib.chain(state.anchor_B, draft, valid)
+
+
+def lookup(settings, state):
+  """Prompt lookup's proposal: (tokens [B, G-1], valid [B, G-1], matched n-gram length [B],
+  0 where nothing matched)."""
   B, L = state.seq_BxL.shape
   N = settings.gamma - 1
   seq, seq_len = state.seq_BxL, state.seq_len_B
   pos = jnp.arange(L)
   best_start = jnp.full((B,), -1, jnp.int32)  # where the proposal starts in seq
+  matched_B = jnp.zeros((B,), jnp.int32)
   for n in range(1, settings.ngram_max + 1):  # longer n overrides shorter ones
     tail = jnp.stack([jnp.take_along_axis(seq, (seq_len - n + k)[:, None], 1)[:, 0]
                       for k in range(n)], 1)  # [B, n]
@@ -87,35 +102,44 @@ def pld(params, cfg, settings, state) -> tree_lib.Tree:
     score = jnp.where(ok, follow * L + pos[None], -1)
     found = jnp.max(score, axis=1) >= 0
     best_start = jnp.where(found, jnp.argmax(score, axis=1) + n, best_start)
+    matched_B = jnp.where(found, n, matched_B)
   idx = best_start[:, None] + jnp.arange(N)[None]
   draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
   valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
-  return tree_lib.chain(state.anchor_B, draft, valid)
+  return draft, valid, matched_B
 
 
 def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
-             forbid_BxKxG=None):
+             forbid_BxKxG=None, topk: int = 0):
   """K blocks per row through drafter `name` in one pass, after the committed context
-  (forbid: a token each position may not draft, -1 for none)."""
+  (forbid: a token each position may not draft, -1 for none); with topk, also each position's
+  topk likeliest tokens and their calibrated log-probs ([B, K, G, topk] each)."""
   B, K, G = tokens_BxKxG.shape
   S = state.draft_caches[name][0]['k'].shape[2]
   positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), (B, K, G))
   ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]
-  tokens, conf, probs = drafter_lib.denoise(
+  out = drafter_lib.denoise(
       params[name], getattr(settings, name), params['target'], cfg,
       tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
       positions.reshape(B, K * G), state.draft_caches[name], ctx_mask, settings.steps,
-      settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G))
-  return tokens.reshape(B, K, G), conf.reshape(B, K, G), probs.reshape(B, K, G, -1)
+      settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G),
+      topk=topk)
+  tokens, conf, probs = out[:3]
+  shaped = (tokens.reshape(B, K, G), conf.reshape(B, K, G), probs.reshape(B, K, G, -1))
+  if topk:
+    return shaped + (tuple(x.reshape(B, K, G, topk) for x in out[3]),)
+  return shaped
 
 
-def first_draft(params, cfg, settings, state):
-  """Drafter 1's block [anchor, MASK ...]: tokens, confidences, distributions ([B, G, ...])."""
+def first_draft(params, cfg, settings, state, topk: int = 0):
+  """Drafter 1's block [anchor, MASK ...]: tokens, confidences, distributions ([B, G, ...]);
+  with topk, also the per-position top tokens ((log-probs, ids) [B, G, topk])."""
   B, G = state.seq_len_B.shape[0], settings.gamma
   block = jnp.zeros((B, 1, G), jnp.int32).at[:, 0, 0].set(state.anchor_B)
   is_mask = jnp.broadcast_to(jnp.arange(G) > 0, (B, 1, G))
-  tokens, conf, probs = _denoise(params, cfg, settings, state, 'drafter1', block, is_mask)
-  return tokens[:, 0], conf[:, 0], probs[:, 0]
+  out = _denoise(params, cfg, settings, state, 'drafter1', block, is_mask, topk=topk)
+  first = tuple(x[:, 0] for x in out[:3])
+  return first + (tuple(x[:, 0] for x in out[3]),) if topk else first
 
 
 def dflash(params, cfg, settings, state) -> tree_lib.Tree:
@@ -253,6 +277,87 @@ def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
                    branch_valid_BxK=jnp.concatenate([keep_BxKxG, lookup_valid_BxG[:, None]], 1))
 
 
+def ddtree(params, cfg, settings, state) -> tree_lib.Tree:
+  """DDTree (Ringel et al.): the tree_size - 1 likeliest prefixes under the product of drafter
+  1's calibrated per-position marginals, from drafter 1's one block (tree.beam_pool)."""
+  W = settings.tree_size - 1
+  _, _, _, (logp_BxGxW, ids_BxGxW) = first_draft(params, cfg, settings, state, topk=W)
+  token, parent, score, depth = tree_lib.beam_pool(logp_BxGxW, ids_BxGxW)
+  return tree_lib.best_of_pool(state.anchor_B, token, parent, score, depth, settings.tree_size,
+                               settings.gamma)
+
+
+def _beam_paths(token_BxP, parent_BxP, G: int, W: int):
+  """[B, P, G-1] the token path of every beam_pool node (its depth's tokens, then padding)."""
+  B = token_BxP.shape[0]
+  rows = jnp.arange(B)[:, None]
+  path = jnp.zeros((B, W, G - 1), jnp.int32).at[:, :, 0].set(token_BxP[:, :W])
+  paths = [path]
+  for d in range(2, G):
+    block = slice((d - 1) * W, d * W)
+    prev = path[rows, parent_BxP[:, block] - (d - 2) * W]
+    path = prev.at[:, :, d - 1].set(token_BxP[:, block])
+    paths.append(path)
+  return jnp.concatenate(paths, 1)
+
+
+def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
+  """One pool from every proposer, then the best tree_size - 1 nodes by the estimated
+  probability of being reached and accepted (all point masses: sample-and-match verifies it):
+
+    drafter 1's marginals   DDTree's beams, and drafter 1's chain: log-probability = the sum
+                            of the calibrated log-probs of the path's tokens;
+    drafter 2's re-drafts   from the K likeliest rejection points i of the chain, the chain's
+                            token at i+1 excluded: P(chain prefix accepted) x (1 - c1_{i+1}) x
+                            drafter 2's calibrated confidences along the branch;
+    prompt lookup           its proposal, a^d at depth d, a = settings.lookup_accept[n - 1]
+                            for a match of n tokens.
+  A node proposed twice is one node with the higher score (tree.merge_paths)."""
+  G, K, W = settings.gamma, settings.n_branches, settings.tree_size - 1
+  B = state.seq_len_B.shape[0]
+  chain_BxG, conf_BxG, _, (logp_BxGxW, ids_BxGxW) = first_draft(params, cfg, settings, state,
+                                                               topk=W)
+  # Drafter 1: the beams and the chain (whose nodes the branches hang from).
+  b_token, b_parent, b_score, b_depth = tree_lib.beam_pool(logp_BxGxW, ids_BxGxW)
+  b_path = _beam_paths(b_token, b_parent, G, W)
+  chain_logp_BxN = logp_BxGxW[:, 1:, 0]  # the chain token is each position's likeliest
+  chain_score_BxN = jnp.cumsum(chain_logp_BxN, axis=1)  # depth 1..G-1
+  depth_N = jnp.arange(1, G, dtype=jnp.int32)
+  c_path = jnp.broadcast_to(chain_BxG[:, None, 1:], (B, G - 1, G - 1))
+  # Drafter 2: branches from the likely rejection points, the chain's token excluded there.
+  cut_BxK = branch_points(conf_BxG, K)
+  k = jnp.arange(G)[None, None]
+  keep_BxKxG = k <= cut_BxK[..., None]
+  prefix_BxKxG = jnp.where(keep_BxKxG, chain_BxG[:, None], 0)
+  forbid_BxKxG = jnp.where(k == cut_BxK[..., None] + 1, chain_BxG[:, None], -1)
+  branch_BxKxG, conf2_BxKxG, _ = _denoise(params, cfg, settings, state, 'drafter2', prefix_BxKxG,
+                                          ~keep_BxKxG, forbid_BxKxG)
+  at_cut = lambda x_BxN: jnp.take_along_axis(
+      jnp.pad(x_BxN, ((0, 0), (1, 0))), cut_BxK, 1)  # x at depth cut (0 at the anchor)
+  reject_next = jnp.log1p(-jnp.minimum(jnp.exp(jnp.take_along_axis(
+      chain_logp_BxN, cut_BxK, 1)), 1 - 1e-6))  # log(1 - c1 at depth cut + 1)
+  r_score = (at_cut(chain_score_BxN) + reject_next)[..., None] + jnp.cumsum(
+      jnp.log(jnp.maximum(conf2_BxKxG[:, :, 1:], 1e-30)), axis=2)
+  r_score = jnp.where(depth_N[None, None] > cut_BxK[..., None], r_score, -jnp.inf)
+  r_path = jnp.broadcast_to(branch_BxKxG[:, :, None, 1:], (B, K, G - 1, G - 1))
+  # Prompt lookup.
+  l_draft, l_valid, matched_B = lookup(settings, state)
+  accept = jnp.asarray(settings.lookup_accept, jnp.float32)
+  log_a_B = jnp.log(accept[jnp.clip(matched_B - 1, 0, len(settings.lookup_accept) - 1)])
+  l_score = jnp.where(l_valid & (matched_B[:, None] > 0), depth_N[None] * log_a_B[:, None],
+                      -jnp.inf)
+  l_path = jnp.broadcast_to(l_draft[:, None], (B, G - 1, G - 1))
+  # One pool, merged, and its best nodes.
+  path = jnp.concatenate([c_path, b_path, r_path.reshape(B, K * (G - 1), G - 1), l_path], 1)
+  score = jnp.concatenate([chain_score_BxN, b_score, r_score.reshape(B, K * (G - 1)), l_score], 1)
+  depth = jnp.concatenate([jnp.broadcast_to(depth_N, (B, G - 1)), b_depth,
+                           jnp.broadcast_to(jnp.tile(depth_N, K), (B, K * (G - 1))),
+                           jnp.broadcast_to(depth_N, (B, G - 1))], 1)
+  token, parent, merged = tree_lib.merge_paths(path, depth, score)
+  return tree_lib.best_of_pool(state.anchor_B, token, parent, merged, depth, settings.tree_size,
+                               G)
+
+
 def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
               branch_laws_BxKxGxV=None, branch_valid_BxK=None) -> tree_lib.Tree:
   """Chain nodes 1..G-1, then each branch's re-drafted tokens (positions > its cut), in order,
@@ -292,5 +397,8 @@ register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_br
 register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True,
                                  passes=('drafter1', 'drafter1')))
 register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
+register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True))
+register('d2sd_tree', Method(d2sd_tree, ('drafter1', 'drafter2'), _budget, branched=True,
+                             budgeted=True))
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
                             lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True))

@@ -49,6 +49,9 @@ class SpecSettings:
   tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
   leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
   redraft: str = 'exclude'  # a re-draft starting with the chain's token: 'exclude' or 'merge'
+  # d2sd_tree: prompt lookup's per-token acceptance rate after a match of n = 1, 2, ... tokens
+  # (the last entry for longer ones): its nodes' estimated probability is a^depth.
+  lookup_accept: tuple[float, ...] = (0.35, 0.55, 0.7)
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
@@ -75,7 +78,13 @@ class SpecSettings:
                        'it agrees)')
     if not 0.0 <= self.leniency <= 1.0:
       raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
-    if self.tree_budget and self.tree_budget < self.gamma:
+    if not self.lookup_accept or not all(0.0 < a < 1.0 for a in self.lookup_accept):
+      raise ValueError(f'lookup_accept={self.lookup_accept} must be acceptance rates in (0, 1)')
+    if method.budgeted:
+      if self.tree_budget == 1:
+        raise ValueError(f'tree_budget=1 leaves {self.method!r} no draft node: use 0 (as many '
+                         'nodes as the full D2SD tree) or >= 2')
+    elif self.tree_budget and self.tree_budget < self.gamma:
       raise ValueError(f'tree_budget={self.tree_budget} must be 0 (no limit) or >= gamma='
                        f'{self.gamma} (the drafter-1 chain always fits)')
 

