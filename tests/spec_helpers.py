@@ -334,44 +334,60 @@ def check_eos_inside_accepted_path(tiny, bundle, max_new_tokens=24):
   assert outs == ar
 
 
-def branch_blocks_reference(tiny, bundle, spec, state):
-  """What D2SD's tree must hold, computed independently of drafting.py: drafter 1's block
-  and confidences (one fresh forward), the K cuts by enumerating r(i) = c_1..c_i (1 - c_{i+1})
-  in numpy, and each branch re-drafted by drafter 2 alone from [anchor, chain[1..i], MASK...]
-  with the chain's token at i+1 excluded. Returns per row a list of (cut, branch tokens)."""
+def drafter_logits_reference(tiny, bundle, spec, state, b):
+  """What drafting.py's drafts of row b rest on, computed independently of it: drafter 1's
+  block from one fresh forward ('logp1' [G, V], calibrated by its confidence temperature, and
+  'chain'), the K cuts by enumerating r(i) = c_1..c_i (1 - c_{i+1}) in numpy, each branch
+  re-drafted by drafter 2 alone from [anchor, chain[1..i], MASK...] with the chain's token at
+  i+1 excluded ('branches': (cut, tokens, calibrated confidences)), and prompt lookup's proposal
+  ('lookup': tokens, valid, matched length; drafting.lookup, checked by the pld tests)."""
   cfg, params = tiny
   G_ = spec.gamma
-  out = []
-  for b in range(state.seq_BxL.shape[0]):
-    n = int(state.cache_len_B[b])
-    anchor = int(state.seq_BxL[b, n])
-    _, feats = fresh_prefill(cfg, params, state.seq_BxL[b:b + 1], (0, 1, 2))
-    feats = feats[:, :n]
+  n = int(state.cache_len_B[b])
+  anchor = int(state.seq_BxL[b, n])
+  _, feats = fresh_prefill(cfg, params, state.seq_BxL[b:b + 1], (0, 1, 2))
+  feats = feats[:, :n]
 
-    def logits_of(name, block, is_mask):
-      dcfg = getattr(spec, name)
-      ctx = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
-                         jnp.arange(n)[None])
-      return np.asarray(D.forward(bundle[name], dcfg, params, cfg, jnp.asarray([block]),
-                                  jnp.asarray([is_mask]), n + jnp.arange(G_)[None], ctx,
-                                  jnp.ones((1, n), bool), jnp.ones((1, G_, G_), bool))[0],
-                        np.float64)
+  def logits_of(name, block, is_mask):
+    dcfg = getattr(spec, name)
+    ctx = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
+                       jnp.arange(n)[None])
+    return np.asarray(D.forward(bundle[name], dcfg, params, cfg, jnp.asarray([block]),
+                                jnp.asarray([is_mask]), n + jnp.arange(G_)[None], ctx,
+                                jnp.ones((1, n), bool), jnp.ones((1, G_, G_), bool))[0],
+                      np.float64)
 
-    block = [anchor] + [0] * (G_ - 1)
-    lg = logits_of('drafter1', block, [False] + [True] * (G_ - 1)) / DCFG.confidence_temperature
-    chain = [anchor] + np.argmax(lg[1:], -1).tolist()
-    p = np.exp(lg - lg.max(-1, keepdims=True))
-    conf = np.clip((p / p.sum(-1, keepdims=True)).max(-1)[1:], 1e-6, 1 - 1e-6)
-    r = [np.prod(conf[:i]) * (1 - conf[i]) for i in range(G_ - 1)]
-    cuts = sorted(range(G_ - 1), key=lambda i: -r[i])[:spec.n_branches]
-    row = []
-    for i in cuts:
-      lg2 = logits_of('drafter2', chain[:i + 1] + [0] * (G_ - 1 - i),
-                      [False] * (i + 1) + [True] * (G_ - 1 - i))
-      lg2[i + 1, chain[i + 1]] = -np.inf
-      row.append((i, chain[:i + 1] + np.argmax(lg2[i + 1:], -1).tolist()))
-    out.append(row)
-  return out
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+  block = [anchor] + [0] * (G_ - 1)
+  lg = logits_of('drafter1', block, [False] + [True] * (G_ - 1)) / spec.drafter1.confidence_temperature
+  logp1 = log_softmax(lg)
+  chain = [anchor] + np.argmax(lg[1:], -1).tolist()
+  conf = np.clip(np.exp(logp1).max(-1)[1:], 1e-6, 1 - 1e-6)
+  r = [np.prod(conf[:i]) * (1 - conf[i]) for i in range(G_ - 1)]
+  cuts = sorted(range(G_ - 1), key=lambda i: -r[i])[:spec.n_branches]
+  branches = []
+  for i in cuts:
+    lg2 = logits_of('drafter2', chain[:i + 1] + [0] * (G_ - 1 - i),
+                    [False] * (i + 1) + [True] * (G_ - 1 - i))
+    lg2[i + 1, chain[i + 1]] = -np.inf
+    conf2 = np.where(np.arange(G_) > i,
+                     np.exp(log_softmax(lg2 / spec.drafter2.confidence_temperature)).max(-1), 1.0)
+    branches.append((i, chain[:i + 1] + np.argmax(lg2[i + 1:], -1).tolist(), conf2))
+  draft, valid, matched = jax.jit(drafting.lookup, static_argnames=('settings',))(spec, state)
+  return {'logp1': logp1, 'chain': chain, 'branches': branches,
+          'lookup': (np.asarray(draft[b]).tolist(), np.asarray(valid[b]).tolist(),
+                     int(matched[b]))}
+
+
+def branch_blocks_reference(tiny, bundle, spec, state):
+  """What D2SD's tree must hold: per row a list of (cut, branch tokens), by
+  drafter_logits_reference."""
+  return [[(cut, tokens) for cut, tokens, _ in
+           drafter_logits_reference(tiny, bundle, spec, state, b)['branches']]
+          for b in range(state.seq_BxL.shape[0])]
 
 
 def tree_branches(tree, b, gamma):
