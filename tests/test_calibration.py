@@ -42,3 +42,40 @@ def test_reliability_plot_writes_a_png(tmp_path):
   path = C.reliability_plot({'raw': stats}, str(tmp_path / 'r.png'), 'test')
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_lookup_proposal_is_drafting_pld_rule():
+  """C.lookup_proposal (plain Python) proposes what drafting.lookup proposes, on
+  random sequences of a 4-token alphabet (matches of every length, repeats, no match)."""
+  import collections  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec import drafting  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  State = collections.namedtuple('State', 'seq_BxL seq_len_B')
+  Settings = collections.namedtuple('Settings', 'gamma ngram_max')
+  settings = Settings(5, 3)
+  L = 24
+  lens = rng.integers(1, L, 64)
+  seqs = rng.integers(0, 4, (64, L))
+  draft, valid, matched = jax.jit(drafting.lookup, static_argnums=0)(
+      settings, State(jnp.asarray(seqs, jnp.int32), jnp.asarray(lens, jnp.int32)))
+  kinds = set()
+  for b in range(64):
+    tokens, n = C.lookup_proposal(seqs[b, :lens[b]].tolist(), 5, 3)
+    got = [int(t) for t, v in zip(draft[b], valid[b]) if v]
+    assert (got, int(matched[b])) == (tokens, n), b
+    kinds.add(n)
+  assert kinds == {0, 1, 2, 3}  # every case happened
+
+
+def test_lookup_accept_rates_by_hand():
+  """[1, 2, 3, 1, 2, 4], prompt of 3: at t = 4 the tail [1] proposes [2, 3]; 2 is accepted,
+  3 is not (4 followed): rate 1 / (1 + 1). A fully accepted proposal adds no stop."""
+  rates, stops = C.lookup_accept_rates([[1, 2, 3, 1, 2, 4]], [3], gamma=3,
+                                                 ngram_max=1)
+  assert rates == [0.5] and stops == [1]
+  rates, stops = C.lookup_accept_rates([[7, 8, 7, 8, 7, 8]], [2], gamma=3, ngram_max=2)
+  # t=2: tail [7, 8]? no earlier match of 2 ending before; tail [8]? no: n = 1 with [7]? seq[:2]
+  # = [7, 8]: tail [8] has no earlier 8 -> nothing. t=3: [7, 8, 7]: tail [8, 7]? no; [7] at 0
+  # -> [8, 7]; seq[3:] = [8, 7]: both accepted. t=4: [7, 8, 7, 8]: tail [7, 8] at 0 -> [7, 8];
+  # seq[4:] = [7, 8]: both accepted.
+  assert stops == [0, 0] and rates[0] == 1.0 and rates[1] == 1.0

@@ -1,7 +1,9 @@
 """method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
 
 The candidates: AR, prompt lookup and, with the drafters at hand, drafter 1 alone, D²SD with
-K = 1, 2, 4 and the hybrid d2sd_pld with K = 1, 4. Each is predicted
+K = 1, 2, 4, the hybrid d2sd_pld with K = 1, 4, and the best-first trees ddtree and d2sd_tree at
+each node budget of TREE_BUDGETS (the budget is what the hardware decides: verifying N nodes
+costs little more than one on an accelerator, several AR steps on a CPU). Each is predicted
 throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this order:
 
   remembered  a choice this machine made before for the same key (below), decoded at once;
@@ -58,6 +60,9 @@ PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first w
 MIN_PROBE_CYCLES = 8  # fewer probe cycles than this: the cost model's cycle time is used
 
 
+TREE_BUDGETS = (4, 8, 12, 16, 32, 64)  # nodes verified per cycle, the anchor included
+
+
 def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
   """(label, method, spec knobs) of every configuration auto-config weighs."""
   gamma = drafters['drafter1'][0].gamma if 'drafter1' in drafters else 8
@@ -72,6 +77,11 @@ def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
       for K in (1, 4):
         if K <= gamma - 1:
           out.append((f'd2sd_pld(K={K})', 'd2sd_pld', {'gamma': gamma, 'n_branches': K}))
+    for n in TREE_BUDGETS:
+      out.append((f'ddtree(N={n})', 'ddtree', {'gamma': gamma, 'tree_budget': n}))
+      if 'drafter2' in drafters:
+        out.append((f'd2sd_tree(N={n})', 'd2sd_tree', {'gamma': gamma, 'tree_budget': n,
+                                                        'n_branches': min(4, gamma - 1)}))
   return out
 
 
@@ -126,6 +136,9 @@ def explain(record: dict, source: str) -> str:
           f') from {origin}')
   if runner_up is not None:
     line += f'; next best {runner_up} ({table[runner_up][key]:.2f})'
+  if record.get('not_in_prior'):
+    line += (f"; {len(record['not_in_prior'])} candidates have no prior and were not weighed "
+             '(python scripts/auto_priors.py measures them)')
   return line + '; --config.auto_probe=True times every candidate on these prompts'
 
 
@@ -177,10 +190,13 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
   if (options.temperature != 0 or not _defaults_only(options.spec)):
     return None
   rec = prior_for(target, drafters, batch, path)
-  if rec is None or not all(label in rec['candidates'] for label, _, _ in candidates(drafters)):
+  if rec is None or 'ar' not in rec['candidates']:
     return None
-  table = {}
+  table, missing = {}, []
   for label, method, knobs in candidates(drafters):
+    if label not in rec['candidates']:  # measured by a later scripts/auto_priors.py run
+      missing.append(label)
+      continue
     c = rec['candidates'][label]
     if (c['method'], c['spec']) != (method, knobs):
       return None
@@ -191,7 +207,7 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
   return {'version': RECORD_VERSION, 'auto_choice': best, 'predicted_tokens_per_s': None,
           'auto_candidates': table, 'cost_device': jax.devices()[0].device_kind,
           'source': 'prior', 'prior_file': path or priors_path(), 'prior_run': rec.get('run'),
-          'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+          'not_in_prior': missing, 'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
 
 
 def learn(path: str, stats: dict, batch: int) -> dict | None:
@@ -344,7 +360,8 @@ def _read_remembered(path: str, drafters: dict, log) -> dict | None:
     weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters)}
     table = record['auto_candidates']
     row = table[record['auto_choice']]
-    stale = (record.get('version') != RECORD_VERSION or set(table) != set(weighed) or
+    stale = (record.get('version') != RECORD_VERSION or
+             set(table) | set(record.get('not_in_prior', ())) != set(weighed) or
              (row['method'], row['spec']) != weighed[record['auto_choice']])
   except (OSError, ValueError, KeyError, TypeError) as e:
     log(f'auto: the remembered choice {path} is unreadable ({type(e).__name__}: {e}); choosing '

@@ -51,7 +51,7 @@ class SpecSettings:
   redraft: str = 'exclude'  # a re-draft starting with the chain's token: 'exclude' or 'merge'
   # d2sd_tree: prompt lookup's per-token acceptance rate after a match of n = 1, 2, ... tokens
   # (the last entry for longer ones): its nodes' estimated probability is a^depth.
-  lookup_accept: tuple[float, ...] = (0.35, 0.55, 0.7)
+  lookup_accept: tuple[float, ...] = (0.4, 0.674, 0.936)  # python scripts/lookup_rates.py
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
