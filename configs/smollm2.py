@@ -33,6 +33,9 @@ def get_config():
   # A branch whose re-draft starts with the chain's own token: 'exclude' forbids that token
   # there; 'merge' lets the branch follow the chain and hang where it first differs
   c.spec.redraft = 'exclude'
+  # d2sd_tree: prompt lookup's per-token acceptance after a match of 1, 2, 3 tokens, its nodes'
+  # score (measured on held-out records by python scripts/lookup_rates.py)
+  c.spec.lookup_accept = (0.4, 0.674, 0.936)
   c.prompt = ''  # one prompt (neither prompt nor prompts_file: a demo prompt)...
   c.prompts_file = ''  # ...or a JSONL file with a "prompt" field per line
   c.chat = True  # wrap each prompt in the model's chat template

@@ -217,3 +217,57 @@ def test_distill_on_a_model_parallel_mesh_gives_the_same_responses(tiny_folder, 
                    env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
     responses[name] = [r['response_ids'] for r in read_shard(f'{out}/shard-00000.jsonl.gz')]
   assert responses['mesh'] == responses['one'] and len(responses['one']) == 4
+
+
+def _write_wordnet(root):
+  """A WordNet database of four nouns in its own file formats (index.noun: lemma, pos,
+  synset_cnt, p_cnt, pointers, sense_cnt, tagsense_cnt, offsets; data.noun: offset, lex file,
+  type, word count (hex), words, pointer count, pointers, gloss)."""
+  os.makedirs(root)
+  with open(os.path.join(root, 'index.noun'), 'w') as f:
+    f.write('  1 header line of the license\n')
+    f.write('bread n 1 1 @ 1 9 00000100  \n')        # tagged 9 times: kept
+    f.write('cake n 1 1 @ 1 4 00000200  \n')         # kept, a sibling of bread
+    f.write('zymurgy n 1 1 @ 1 0 00000300  \n')      # never tagged: dropped
+    f.write('hot_dog n 1 1 @ 1 7 00000400  \n')      # not one word of letters: dropped
+  with open(os.path.join(root, 'data.noun'), 'w') as f:
+    f.write('  1 header\n')
+    f.write('00000100 13 n 01 bread 0 001 @ 00000900 n 0000 | baked dough  \n')
+    f.write('00000200 13 n 02 cake 0 bar 1 001 @ 00000900 n 0000 | a baked sweet  \n')
+    f.write('00000300 04 n 01 zymurgy 0 000 | fermentation chemistry  \n')
+    f.write('00000400 13 n 01 hot_dog 0 000 | a sausage  \n')
+
+
+def test_questions_from_wordnet_nouns(tmp_path):
+  """Common nouns become questions: their kind's forms (noun.food: preparing, recipes...) and
+  a comparison with a sibling of the same hypernym; rare and multi-word lemmas are left out."""
+  root = str(tmp_path / 'wordnet')
+  _write_wordnet(root)
+  assert distill.wordnet_nouns(root) == [('bread', 'noun.food', '00000900'),
+                                         ('cake', 'noun.food', '00000900')]
+  questions = distill.question_prompts(root)
+  words = {src.split(':')[2] for src, _ in questions}
+  assert words == {'bread', 'cake'}
+  food = set(distill.QUESTION_FORMS['noun.food'])
+  for word in ('bread', 'cake'):
+    asked = [q for src, q in questions if src.split(':')[2] == word and src.count(':') == 2]
+    assert len(asked) == 2, asked  # one general form, one of its kind
+    assert any(q in {f.format(w=word, a='a') for f in food} for q in asked), asked
+  for src, q in questions:
+    assert '{' not in q and 'zymurgy' not in q
+  with pytest.raises(FileNotFoundError, match='apt-get install wordnet-base'):
+    distill.wordnet_nouns(str(tmp_path / 'missing'))
+
+
+def test_package_prompts_never_read_numpy(tmp_path):
+  """Documented functions of installed packages are prompts, except in any folder naming
+  numpy (its source is evaluation data), tests and vendored copies."""
+  doc = '"""Return the thing, computed carefully from its inputs and their order."""'
+  for rel in ('pkg/core.py', 'numpy/linalg.py', 'jax/numpy/ops.py', 'pkg/tests/test_core.py',
+              'pkg/_vendor/six.py'):
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'def public(x):\n    {doc}\n    return x\n\n'
+                    f'def test_public():\n    {doc}\n    return 1\n')
+  found = distill.package_functions([str(tmp_path)])
+  assert [(m, n) for m, n, _, _ in found] == [(os.path.join('pkg', 'core.py'), 'public')]
