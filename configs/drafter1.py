@@ -31,7 +31,7 @@ def get_config():
   # 'tfds' (any TFDS dataset prepared as array_record: token records, or text to bootstrap from)
   # or 'conversations' (a JSONL of ShareGPT / OpenAI conversations: its assistant turns)
   c.data.source = 'shards'
-  c.data.path = 'data/distill'  # 'shards': the folder; 'conversations': the JSONL file
+  c.data.path = 'data/distill'  # 'shards': folder(s), comma-separated; 'conversations': a JSONL
   c.data.tfds_dir = 'data/tfds'  # python scripts/prepare_tfds.py --shards data/distill --data_dir ...
   c.data.tfds_name = 'd2sd_distill'  # the TFDS dataset (name[/config][:version]) in tfds_dir
   c.data.tfds_split = 'train'  # its split (the eval set is held out of it by record id)

@@ -287,3 +287,19 @@ def test_malformed_conversation_line_names_file_and_line(tmp_path, target, line,
   path.write_text(json.dumps(good) + '\n\n' + line + '\n')
   with pytest.raises(ValueError, match=f'chats.jsonl:3: .*{message}'):
     records.ConversationsSource(str(path), target.tokenizer).index()
+
+
+def test_several_shard_folders_read_in_order(tmp_path):
+  """data.path = 'A,B' reads A's shards, then B's; a folder without shards is named."""
+  from d2sd_jax.train import records  # pylint: disable=import-outside-toplevel
+  for folder, n in (('a', 2), ('b', 1)):
+    (tmp_path / folder).mkdir()
+    for k in range(n):
+      (tmp_path / folder / f'shard-{k:05d}.jsonl.gz').write_bytes(b'')
+  got = records.shard_files(f'{tmp_path / "a"},{tmp_path / "b"}')
+  assert [os.path.relpath(f, tmp_path) for f in got] == [
+      os.path.join('a', 'shard-00000.jsonl.gz'), os.path.join('a', 'shard-00001.jsonl.gz'),
+      os.path.join('b', 'shard-00000.jsonl.gz')]
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(FileNotFoundError, match='empty'):
+    records.shard_files(f'{tmp_path / "a"},{tmp_path / "empty"}')

@@ -28,11 +28,16 @@ def check_ids(value, what: str, vocab_size: int | None) -> list[int]:
 
 
 def shard_files(path: str) -> list[str]:
-  """The distillation shards under `path`, sorted (the record order)."""
-  files = sorted(glob.glob(os.path.join(path, 'shard-*.jsonl.gz')))
-  if not files:
-    raise FileNotFoundError(f'no distillation shards (shard-*.jsonl.gz) in {path!r}: generate '
-                            'them with python scripts/distill.py --out ' + path)
+  """The distillation shards under `path`, sorted (the record order); `path` may name several
+  folders, comma-separated (e.g. 'data/distill,data/distill-questions'): their shards in that
+  order."""
+  files = []
+  for folder in [p.strip() for p in path.split(',') if p.strip()] or [path]:
+    found = sorted(glob.glob(os.path.join(folder, 'shard-*.jsonl.gz')))
+    if not found:
+      raise FileNotFoundError(f'no distillation shards (shard-*.jsonl.gz) in {folder!r}: '
+                              'generate them with python scripts/distill.py --out ' + folder)
+    files += found
   return files
 
 
