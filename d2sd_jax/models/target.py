@@ -346,6 +346,11 @@ def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, c
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
                   .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
   scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
+  # One softmax over [context ; new tokens] without concatenating them, normalised after the
+  # value products ([.., hd] rows instead of [.., S + T] probabilities): each score tensor is
+  # written once and read by the max, by exp + sum and by the value product, which XLA fuses
+  # the exp into (on a TPU the concatenated and normalised form wrote and read the [R, S]
+  # scores of every layer about twice as often: benchmarks/tpu_compile.py).
   if block_size:
     G = block_size
     nb = T // G
@@ -354,25 +359,30 @@ def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, c
     q_6 = q_BxHkvxRxhd.reshape(B, Hkv, Hg, nb, G, hd)
     k_5 = k_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd)
     ctx_ok = jnp.broadcast_to(ctx_mask_BxTxS, (B, T, S)).reshape(B, 1, 1, nb, G, S)
-    scores = jnp.concatenate(
-        [jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg),
-         dot('bkgnqh,bknth->bkgnqt', q_6, k_5)], axis=-1)  # [B, Hkv, Hg, nb, G, S + G]
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn_BxHkvxRxhd = (
-        dot('bkgnqs,bksh->bkgnqh', probs[..., :S], kv['v']) +
-        dot('bkgnqt,bknth->bkgnqh', probs[..., S:], v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
-    ).reshape(B, Hkv, Hg * T, hd)
+    s_ctx = jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg)
+    s_new = dot('bkgnqh,bknth->bkgnqt', q_6, k_5)  # [B, Hkv, Hg, nb, G, G]
+    top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
+                      jnp.max(s_new, axis=-1, keepdims=True))
+    e_ctx, e_new = jnp.exp(s_ctx - top), jnp.exp(s_new - top)
+    total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    attn_BxHkvxRxhd = ((
+        dot('bkgnqs,bksh->bkgnqh', e_ctx, kv['v']) +
+        dot('bkgnqt,bknth->bkgnqh', e_new, v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
+    ) / total).reshape(B, Hkv, Hg * T, hd)
   else:
     scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
-    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
-    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
-    mask_BxHkvxRxSplusT = jnp.concatenate(
-        [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
-        axis=-1)
-    scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
-    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1)
-    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
-                       dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
+    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None],
+                                        (B, 1, Hg, T, T)).reshape(B, 1, Hg * T, T)
+    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None],
+                                        (B, 1, Hg, T, S)).reshape(B, 1, Hg * T, S)
+    s_ctx = jnp.where(ctx_mask_Bx1xRxS, scores_ctx_BxHkvxRxS, neg)
+    s_new = jnp.where(mask_new_Bx1xRxT, scores_new_BxHkvxRxT, neg)
+    top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
+                      jnp.max(s_new, axis=-1, keepdims=True))
+    e_ctx, e_new = jnp.exp(s_ctx - top), jnp.exp(s_new - top)
+    total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', e_ctx, kv['v']) +
+                       dot('bkqt,bkth->bkqh', e_new, v_new_BxHkvxTxhd)) / total
   return (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
           .reshape(B, T, Hkv * Hg * hd))
 

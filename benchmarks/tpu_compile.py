@@ -1,0 +1,170 @@
+"""A pod user's pre-flight check: our decode and training programs compiled for a real TPU
+topology from this host (libtpu's compile-only devices, no TPU), with what the compiler says.
+
+  python benchmarks/tpu_compile.py --topology v5p:1x1x1 --target qwen3-8b --drafters paper \\
+      --methods ar,dflash,d2sd [--batch 1] [--context 1024] [--json OUT]
+  python benchmarks/tpu_compile.py --topology v5e:2x4 --mesh data=1,model=8 ...
+  python benchmarks/tpu_compile.py --topology v5e:4x8 --methods '' --train configs/drafter1.py \\
+      --train.dtype=bfloat16 --train.mesh.model=8 ...   (train.py's --config flags as --train.*)
+
+--target: a costmodel.TARGETS name (qwen3-8b, llama-3.1-8b), smollm2, or a Hugging Face folder
+(its config.json); --dtype its weights' dtype (bfloat16). --drafters: paper (DFlash's 5-layer
+drafters for the target, gamma 16, K = 4) or drafter folders DRAFTER1[,DRAFTER2] (their configs
+only). --methods: ar, pld and the drafter methods (drafting.REGISTRY). --mesh data=D,model=M over
+the topology's devices (default data=1,model=-1: every device on the model axis); the training
+step uses its config's mesh, as train.py does.
+
+Per method it compiles the prefill (the prompt block of --context tokens), the step (one AR step
+or one speculative cycle, on the state the prefill hands over, donated as in the loop) and the
+whole decode while_loop; with --train, one train.py step. For each it prints compile seconds,
+per-device bytes accessed against the floor (d2sd_jax/perf/compiled.py: weights used + KV
+attended + head rows), flops, memory (arguments + temporaries + outputs) against the chip's HBM,
+collectives, and a time estimate (the compiler's own on one chip, else a roofline), then the
+speed-ups over AR at the paper's acceptance lengths beside the paper's H200 measurements.
+--json OUT writes it all, with the date, machine and command; --record also keeps the figures in
+results/tpu_compile.json (by chip, target and drafters), where `costmodel predict` reads the
+cycle costs of TPU chips. libtpu prints warnings about the missing TPU host: harmless.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # the host's work runs on its CPU; TPU: compile only
+
+from absl import app, flags, logging  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
+
+from d2sd_jax import files  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(ROOT, 'results', 'tpu_compile.json')
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('topology', 'v5p:1x1x1', 'TPU topology, e.g. v5e:2x4, v5p:1x1x1, v5e:4x8')
+flags.DEFINE_string('mesh', 'data=1,model=-1', 'decode mesh over the topology: data=D,model=M')
+flags.DEFINE_string('target', 'qwen3-8b', 'costmodel.TARGETS name, smollm2, or a HF folder')
+flags.DEFINE_string('dtype', 'bfloat16', "the target's (and drafters') weight dtype")
+flags.DEFINE_string('drafters', 'paper', 'paper, or drafter folders DRAFTER1[,DRAFTER2]')
+flags.DEFINE_string('methods', 'ar,dflash,d2sd', 'comma-separated decode methods')
+flags.DEFINE_integer('batch', 1, 'rows per decode batch')
+flags.DEFINE_integer('context', 1024, 'prompt tokens: the KV every step attends to')
+flags.DEFINE_integer('max_new_tokens', 256, 'generation length the caches are sized for')
+flags.DEFINE_bool('loop', True, 'also compile the whole decode while_loop')
+flags.DEFINE_multi_string('xla', [], 'OPTION=VALUE: an XLA option over models/xla_options.py\'s '
+                          '(e.g. xla_msa_enable=true: the compiler\'s default)')
+flags.DEFINE_string('json', None, 'write the figures to this JSON file')
+flags.DEFINE_bool('record', False, f'also keep them in {os.path.relpath(RECORD, ROOT)}')
+config_flags.DEFINE_config_file('train', None, "a train.py config: compile one training step "
+                                '(overrides as --train.x=y)', lock_config=True)
+
+
+def machine() -> str:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  except (OSError, StopIteration):
+    pass
+  import jax  # pylint: disable=import-outside-toplevel
+  return f'{os.cpu_count()} x {cpu}, {platform.system()}, jax {jax.__version__}'
+
+
+def table(result: dict) -> str:
+  chip_gib = result['hbm_bytes_per_device'] / C.GiB
+  head = (f"{'program':<16}{'compile':>8}{'GB read':>9}{'floor':>8}{'x floor':>8}{'GFLOP':>9}"
+          f"{'memory GiB (arg+tmp+out)':>27}{'collectives':>14}{'estimate':>11}{'AR steps':>9}")
+  lines = [f"{result['topology']} ({result['device_kind']}, {result['n_devices']} devices, "
+           f"{chip_gib:.0f} GiB each), mesh {result['mesh']}, target {result['target']}, "
+           f"drafters {result['drafters']}, batch {result['batch']}, context "
+           f"{result['context']}",
+           f"weights {result['weights_bytes_per_device'] / 1e9:.2f} GB per device, KV over the "
+           f"context {result['kv_bytes_per_device'] / 1e9:.3f} GB per device", head]
+  ar_s = next((p['estimate_s'] for p in result['programs']
+               if p['method'] == 'ar' and p['name'] == 'step' and p['compiled']), None)
+  for p in result['programs']:
+    label = f"{p['method']} {p['name']}"
+    if not p['compiled']:
+      lines.append(f"{label:<16} did not compile: {p['error']}")
+      continue
+    m = p['memory']
+    floor = p.get('ideal_bytes_per_device')
+    coll = p['collectives']
+    lines.append(
+        f"{label:<16}{p['compile_s']:>7.1f}s{p['bytes_per_device'] / 1e9:>9.2f}"
+        f"{(floor / 1e9 if floor else float('nan')):>8.2f}"
+        f"{(p['bytes_per_device'] / floor if floor else float('nan')):>8.2f}"
+        f"{p['flops_per_device'] / 1e9:>9.1f}"
+        f"{m['arguments'] / C.GiB:>11.2f}+{m['temporaries'] / C.GiB:.2f}+"
+        f"{m['outputs'] / C.GiB:.2f}{'' if p['fits'] else ' !':2s}"
+        f"{coll['count']:>6} {coll['bytes'] / 1e6:>6.1f}MB"
+        f"{1e3 * p['estimate_s']:>8.3f}ms{p['estimate_source'][0]}"
+        f"{(p['estimate_s'] / ar_s if ar_s and p['name'] in ('step', 'loop') else float('nan')):>9.2f}")
+  lines.append("(estimate: c = the compiler's optimal_seconds, r = roofline; '!' = over the "
+               'HBM; a loop is costed as one iteration)')
+  for method, s in result['speedups'].items():
+    lines.append(f"{method}: at the paper's tau {s['tau']:.2f}, a cycle of {s['cycle_over_ar']:.2f}"
+                 f" AR steps -> {s['speedup']:.2f}x over AR (paper, measured on an H200: "
+                 f"{s['paper_h200']:.2f}x)")
+  for p in result['programs']:
+    gathers = p.get('collectives', {}).get('weight_gathers')
+    if gathers:
+      lines.append(f"{p['method']} {p['name']}: {len(gathers)} collectives gather weights: "
+                   f"{', '.join(gathers[:5])}")
+  return '\n'.join(lines)
+
+
+def run(argv) -> dict:
+  devices = C.tpu_devices(FLAGS.topology)
+  chip = C.chip_of(devices)
+  tcfg = C.target_config(FLAGS.target, FLAGS.dtype)
+  methods = [m for m in FLAGS.methods.split(',') if m]
+  dcfgs = C.drafter_configs(FLAGS.drafters, tcfg) if any(m != 'ar' for m in methods) else {}
+  mesh = C.mesh_of(devices, FLAGS.mesh)
+  print(f'compiling for {FLAGS.topology} ({chip.name}) on a {dict(mesh.shape)} mesh ...',
+        flush=True)
+  programs = C.decode_programs(tcfg, dcfgs, methods, mesh, FLAGS.batch, FLAGS.context,
+                               FLAGS.max_new_tokens, loops=FLAGS.loop)
+  xla = dict(kv.split('=', 1) for kv in FLAGS.xla)
+  rows = C.compile_all(programs, chip, mesh.size, log=lambda s: print(s, flush=True), xla=xla)
+  if FLAGS.train is not None:
+    from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
+    config = FLAGS.train
+    training.validate(config)
+    train_tcfg = C.target_config(FLAGS.target, config.get('dtype', 'float32'))
+    mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}
+    train_mesh = C.sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'], devices)
+    rows += C.compile_all([C.train_program(config, train_tcfg, train_mesh, training)], chip,
+                          train_mesh.size, log=lambda s: print(s, flush=True), xla=xla)
+  kv = C.floors('step', tcfg, dcfgs, None, mesh, FLAGS.batch, FLAGS.context)['target KV']
+  return {
+      'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': machine(),
+      'command': ' '.join(['python benchmarks/tpu_compile.py', *argv[1:]]),
+      'topology': FLAGS.topology, 'device_kind': devices[0].device_kind, 'chip': chip.name,
+      'n_devices': len(devices), 'mesh': dict(mesh.shape), 'target': FLAGS.target,
+      'dtype': FLAGS.dtype, 'drafters': FLAGS.drafters, 'methods': methods,
+      'batch': FLAGS.batch, 'context': FLAGS.context, 'max_new_tokens': FLAGS.max_new_tokens,
+      'xla_options': {**C.xla_options.for_platform('tpu'), **xla},
+      'hbm_bytes_per_device': chip.hbm_bytes,
+      'weights_bytes_per_device': C.weights_bytes_per_device(tcfg, dcfgs, methods, mesh),
+      'kv_bytes_per_device': kv,
+      'programs': rows, 'speedups': C.speedups(rows, C.PAPER_TAU),
+  }
+
+
+def main(argv):
+  if not FLAGS['verbosity'].present:  # Orbax's INFO lines (reading drafter folders) stay out
+    logging.set_verbosity(logging.WARNING)
+  result = run(argv)
+  print(table(result))
+  if FLAGS.json:
+    files.write_json(FLAGS.json, result)
+  if FLAGS.record:
+    C.record(RECORD, result)
+
+
+if __name__ == '__main__':
+  sys.exit(app.run(main))
