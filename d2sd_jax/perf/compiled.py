@@ -490,12 +490,31 @@ def figures(compiled, chip: TpuChip, n_devices: int) -> dict:
   }
 
 
+def compile_program(p: Program, chip: TpuChip, n_devices: int, xla: dict | None = None):
+  """(JSON-ready figures, the compiled object) of one program, compiled with the compiler
+  options of its devices' platform (models/xla_options.py) updated by `xla`."""
+  options = {**xla_options.for_arrays(p.args), **(xla or {})}
+  t = time.perf_counter()
+  lowered = p.lower()
+  compiled = lowered.compile(options)
+  row = {'name': p.name, 'method': p.method, 'compiled': True,
+         'compile_s': round(time.perf_counter() - t, 2), 'xla_options': options,
+         # model.linear's CPU-only column form is these programs' only optimization barrier
+         # (counted before compiling: the TPU compiler removes barriers from its output)
+         'cpu_only_forms': lowered.as_text().count('optimization_barrier'),
+         **figures(compiled, chip, n_devices)}
+  if p.floor is not None:
+    row['ideal_bytes_per_device'] = sum(p.floor.values())
+    row['ideal_parts'] = p.floor
+    row['bytes_over_ideal'] = row['bytes_per_device'] / row['ideal_bytes_per_device']
+  return row, compiled
+
+
 def compile_all(programs: list[Program], chip: TpuChip, n_devices: int, log=print,
                 xla: dict | None = None) -> list[dict]:
-  """Compiles each program in order, with the compiler options of its devices' platform
-  (models/xla_options.py) updated by `xla`; a step or loop takes the state its method's
-  prefill hands over (the prefill's output shardings). Returns one JSON-ready dict per
-  program."""
+  """Compiles each program in order (`compile_program`); a step or loop takes the state its
+  method's prefill hands over (the prefill's output shardings). Returns one JSON-ready dict
+  per program."""
   out = []
   state = {}
   for p in programs:
@@ -505,27 +524,17 @@ def compile_all(programs: list[Program], chip: TpuChip, n_devices: int, log=prin
                     'error': 'its prefill did not compile'})
         continue
       p.args = p.args[:3] + (state[p.method],)
-    t = time.perf_counter()
     try:
-      options = {**xla_options.for_arrays(p.args), **(xla or {})}
-      compiled = p.lower().compile(options)
+      row, compiled = compile_program(p, chip, n_devices, xla)
     except Exception as e:  # pylint: disable=broad-except
       msg = str(e).split('\n')[0][:400]
       log(f'  {p.method} {p.name}: did not compile: {msg}')
       out.append({'name': p.name, 'method': p.method, 'compiled': False, 'error': msg})
       continue
-    seconds = time.perf_counter() - t
     if p.name == 'prefill':
       state[p.method] = _placed(p.abstract_output(), compiled.output_shardings)
-    row = {'name': p.name, 'method': p.method, 'compiled': True,
-           'compile_s': round(seconds, 2), 'xla_options': options,
-           **figures(compiled, chip, n_devices)}
-    if p.floor is not None:
-      row['ideal_bytes_per_device'] = sum(p.floor.values())
-      row['ideal_parts'] = p.floor
-      row['bytes_over_ideal'] = row['bytes_per_device'] / row['ideal_bytes_per_device']
     out.append(row)
-    log(f'  {p.method} {p.name}: compiled in {seconds:.1f} s')
+    log(f"  {p.method} {p.name}: compiled in {row['compile_s']:.1f} s")
   return out
 
 
