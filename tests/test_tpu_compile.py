@@ -174,3 +174,29 @@ def test_platform_choices_follow_the_compile_target_not_the_host():
       (1, 8), jnp.int32, sharding=jax.sharding.SingleDeviceSharding(devices[0]))).as_text()
   assert cpu.count('optimization_barrier') == 5  # qkv, o, gate/up, down and the head
   assert tpu.count('optimization_barrier') == 0
+
+
+@pytest.mark.slow
+def test_training_micro_batches_split_over_the_data_axis():
+  """train.py's step with grad_accum = 2, compiled for v5e:2x2: on a 2 x 2 mesh each device
+  does half the flops it does on a 1 x 2 mesh (every micro-batch is split over 'data'; a
+  micro-batch held by one data shard made every device run all of it)."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
+  devices = tpu_devices('v5e:2x2')
+  config = config_flags.config_flags._LoadConfigModule(  # pylint: disable=protected-access
+      'drafter1', os.path.join(ROOT, 'configs', 'drafter1.py')).get_config()
+  config.dtype = 'bfloat16'
+  config.train.update(batch_size=8, grad_accum=2, precompute_features=False)
+  config.data.seq_len = 64
+  config.drafter.update(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512,
+                        feature_layers=(1, 2), head_vocab=1024)
+  tcfg = model_lib.ModelConfig(vocab_size=4096, d_model=256, n_layers=2, n_heads=4,
+                               n_kv_heads=2, head_dim=64, d_ff=512, dtype='bfloat16')
+  flops = {}
+  for data in (1, 2):
+    mesh = C.sharding.make_mesh(data, 2, devices)
+    row, _ = C.compile_program(C.train_program(config, tcfg, mesh, training),
+                               C.chip_of(devices), mesh.size)
+    flops[data] = row['flops_per_device']
+  assert flops[2] == pytest.approx(flops[1] / 2, rel=0.1), flops

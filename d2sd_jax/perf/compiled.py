@@ -230,8 +230,10 @@ def generation_settings(max_new_tokens: int) -> ar.GenerationSettings:
 
 
 def spec_settings(method: str, gen, dcfgs: dict, gamma: int = 16, n_branches: int = 4):
+  """The method's settings: the drafters' gamma (prompt lookup too, when there are drafters),
+  K = n_branches."""
   fields = {name: dcfgs[name] for name in drafting.get(method).drafters}
-  gamma = next(iter(fields.values())).gamma if fields else gamma
+  gamma = next(iter(dcfgs.values())).gamma if dcfgs else gamma
   return SP.SpecSettings(gen, method=method, gamma=gamma,
                          n_branches=min(n_branches, gamma - 1), **fields)
 
@@ -276,10 +278,9 @@ def train_program(config, tcfg, mesh, train_lib) -> Program:
   step, _ = train_lib.make_train_step(config, tcfg, dcfg, opt)
   tparams = target_params(tcfg, mesh)
   dparams = drafter_params(dcfg, tcfg, mesh, 'float32')
-  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))
-  opt_abstract = jax.eval_shape(init_opt, dparams)
-  opt_state = _placed(opt_abstract, init_opt.lower(dparams).compile(
-      xla_options.for_arrays(dparams)).output_shardings)
+  trainable, _ = drafter_lib.split_fixed(dparams)
+  opt_abstract = jax.eval_shape(opt.init, trainable)
+  opt_state = _placed(opt_abstract, _like_params(opt_abstract, trainable, mesh))
   B, L = config.train.batch_size, config.data.seq_len
   sharding.check_batch(mesh, B)
   rows = sharding.batch_sharding(mesh, 2)
@@ -292,6 +293,23 @@ def train_program(config, tcfg, mesh, train_lib) -> Program:
     feats = jax.ShapeDtypeStruct((B, L, F), jnp.float16, sharding=sharding.batch_sharding(mesh, 3))
   return Program('train_step', config.kind, None, (dparams, opt_state, tparams, tokens, labels,
                                                    key, feats), jitted=step)
+
+
+def _like_params(opt_state, params, mesh):
+  """Shardings for an optax state: each moment on its parameter's sharding (the parameter
+  whose key path ends the leaf's), counts and other scalars replicated. (Adam's init reads no
+  parameter value, so compiling it tells nothing of where its outputs go.)"""
+  by_path = {tuple(path): x.sharding
+             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  rep = sharding.replicated(mesh)
+
+  def leaf(path, x):
+    path = tuple(path)
+    for n in range(len(path)):
+      if path[n:] in by_path and x.ndim:
+        return by_path[path[n:]]
+    return rep
+  return jax.tree_util.tree_map_with_path(leaf, opt_state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,3 +605,23 @@ def record(path: str, result: dict) -> None:
       kept = json.load(f)
   kept[record_key(result)] = result
   files.write_json(path, kept)
+
+
+def recorded(path: str, chip: str, target: str, drafters: str = 'paper', batch: int = 1,
+             context: int = 1024) -> dict | None:
+  """The kept result (`record`) for `chip` (a TpuChip name, e.g. 'TPU v5p'), target, drafters,
+  batch and context on the fewest devices, or None. `costmodel predict` takes TPU cycle costs
+  from it."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    kept = json.load(f)
+  fits = [r for r in kept.values() if (r['chip'], r['target'], r['drafters'], r['batch'],
+                                       r['context']) == (chip, target, drafters, batch, context)]
+  return min(fits, key=lambda r: r['mesh']['data'] * r['mesh']['model'], default=None)
+
+
+def step_estimates(result: dict) -> dict:
+  """{method: estimated seconds of its step (AR step or cycle)} of a result."""
+  return {p['method']: p['estimate_s'] for p in result['programs']
+          if p.get('compiled') and p['name'] == 'step'}

@@ -182,7 +182,12 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats):
-    micro = lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+    # Micro-batch k holds rows k, k + accum, k + 2 accum, ...: every data shard (a contiguous
+    # block of rows) holds its share of each micro-batch. Contiguous micro-batches put each on
+    # one data shard: compiled for a v5e-32 slice (benchmarks/tpu_compile.py --train), every
+    # device then ran every micro-batch, all-reducing the teacher pass's [32, 2048, 4096]
+    # residual stream in every layer.
+    micro = lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
 
     def one(grads, xs):
       (_, m), g = grad_fn(trainable, fixed, tparams, *xs, normalizer=1.0)
