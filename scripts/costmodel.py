@@ -2,17 +2,27 @@
 
   python scripts/costmodel.py measure [--drafter1 ... --drafter2 ...] [--force]
   python scripts/costmodel.py predict --chip h200 --target qwen3-8b
+
+For TPU chips (tpu-v5e, tpu-v5p) predict takes the cycle costs the TPU compiler estimated for
+the compiled programs, kept in results/tpu_compile.json by benchmarks/tpu_compile.py --record
+(the single-chip record when there are several); without one, and for GPUs, the roofline.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.perf import compiled
 from d2sd_jax.perf import costmodel
 from d2sd_jax.perf import throughput
 from d2sd_jax.spec import ar
 from d2sd_jax.spec import speculative as SP
+
+
+RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'results',
+                      'tpu_compile.json')
 
 
 def main():
@@ -49,7 +59,16 @@ def main():
     specs = {'dflash': SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d),
              'd2sd': SP.SpecSettings(gen, method='d2sd', gamma=16, drafter1=d, drafter2=d,
                                      n_branches=4)}
-    costs = costmodel.predict(tcfg, costmodel.CHIPS[args.chip], list(specs.values()), args.batch, args.context,
+    chip = costmodel.CHIPS[args.chip]
+    if chip.name.startswith('TPU'):
+      kept = compiled.recorded(RECORD, chip.name, args.target, 'paper', args.batch, args.context)
+      if kept is not None:
+        print_compiled(kept, args.tau)
+        return
+      print(f'(no compiled {chip.name} figures for {args.target}, batch {args.batch}, context '
+            f'{args.context} in {os.path.relpath(RECORD)}: the roofline below; python '
+            'benchmarks/tpu_compile.py --topology ... --record compiles them)')
+    costs = costmodel.predict(tcfg, chip, list(specs.values()), args.batch, args.context,
                     sizes=sorted({1, 16, 32, 64} | {s.tree_size for s in specs.values()}))
     print(costmodel.table(costs))
     for pair in filter(None, args.tau.split(',')):
@@ -61,6 +80,22 @@ def main():
             f'{throughput.tokens_per_s(float(tau), cycle) * costs.ar_step:.2f}x')
     return
   print(costmodel.table(costs))
+
+
+def print_compiled(kept: dict, tau_pairs: str) -> None:
+  """TPU cycle costs from the TPU compiler's estimates (benchmarks/tpu_compile.py --record)."""
+  est = compiled.step_estimates(kept)
+  print(f"{kept['chip']} ({kept['topology']}, mesh {kept['mesh']}), {kept['target']}, batch "
+        f"{kept['batch']}, context {kept['context']}: the TPU compiler's estimates "
+        f"({os.path.relpath(RECORD)}: {kept['date']}, `{kept['command']}`)")
+  for method, s in est.items():
+    print(f'  {method:8s} step {1e3 * s:9.3f} ms  {s / est["ar"]:5.2f} AR steps')
+  for pair in filter(None, tau_pairs.split(',')):
+    method, tau = pair.split('=')
+    if method in est:
+      print(f'  {method}: tau {float(tau):.2f} over a cycle of {1e3 * est[method]:.3f} ms -> '
+            f'predicted speed-up over AR '
+            f'{throughput.tokens_per_s(float(tau), est[method]) * est["ar"]:.2f}x')
 
 
 def candidate_specs(gen, d1cfg, d2cfg) -> list[SP.SpecSettings]:

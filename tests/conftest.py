@@ -6,7 +6,13 @@ import os
 import shutil
 import tempfile
 
-import jax
+# The tests run on the CPU. With libtpu installed (the test extra has it, for the TPU compile
+# checks), every process that starts JAX would otherwise probe for a TPU host first (seconds and
+# warnings per process, subprocesses included: they inherit this). The compile-only TPU
+# topologies of tests/test_tpu_compile.py work under it.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import jax  # pylint: disable=wrong-import-position
 import numpy as np
 import pytest
 import tokenizers

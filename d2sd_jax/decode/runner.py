@@ -7,6 +7,7 @@ import time
 import jax
 
 from d2sd_jax.decode import options as options_lib
+from d2sd_jax.models import xla_options
 from d2sd_jax.spec import ar
 from d2sd_jax.spec import speculative as SP
 
@@ -20,7 +21,8 @@ def round_up(n: int, m: int) -> int:
 
 
 class Runner:
-  """Compiles a method's prefill and decode loop once per shape and times them apart.
+  """Compiles a method's prefill and decode loop once per shape and times them apart, with the
+  compiler options of the platform the parameters are on (models/xla_options.py).
 
   `prefill(params, prompts, lens, keys) -> state` and `loop(params, state) -> state` are the
   method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the results.
@@ -37,7 +39,8 @@ class Runner:
       t = time.perf_counter()
       fn = jax.jit(self._prefill_fn, static_argnames=('cfg', 'settings', 'cache_size'))
       self._prefill[prompts.shape] = fn.lower(self.params, self.cfg, self._static, prompts, lens,
-                                              keys, self.cache_size).compile()
+                                              keys, self.cache_size).compile(
+                                                  xla_options.for_arrays(self.params))
       self.compile_s += time.perf_counter() - t
     return self._prefill[prompts.shape]
 
@@ -45,7 +48,8 @@ class Runner:
     if shape not in self._loop:
       t = time.perf_counter()
       fn = jax.jit(self._loop_fn, static_argnames=('cfg', 'settings'), donate_argnames=('state',))
-      self._loop[shape] = fn.lower(self.params, self.cfg, self._static, state).compile()
+      self._loop[shape] = fn.lower(self.params, self.cfg, self._static, state).compile(
+          xla_options.for_arrays(self.params))
       self.compile_s += time.perf_counter() - t
     return self._loop[shape]
 

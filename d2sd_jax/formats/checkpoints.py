@@ -86,14 +86,8 @@ def resolve_path(path: str) -> str:
   return candidate if os.path.exists(candidate) else path
 
 
-def load_checkpoint(path: str, target: loaders.Target, dtype: str = 'float32', mesh=None):
-  """(DrafterConfig, params, metadata) from a training workdir, its checkpoints/ folder, or an
-  exported drafter folder; the latest step. Refuses a drafter made for another target.
-  (`drafters.load_drafter` also takes DFlash's folders.)
-
-  The parameters come back in `dtype` (decoding passes the target's: a bfloat16 target drafts
-  in bfloat16; training keeps float32 master weights), and DrafterConfig.dtype says so. With
-  `mesh` each tensor is restored straight onto its sharding (`sharding.drafter_shardings`)."""
+def _latest(path: str):
+  """(manager, latest step, metadata, DrafterConfig) of a drafter folder; no weights read."""
   path = os.path.abspath(resolve_path(path))  # Orbax wants absolute paths
   directory = os.path.join(path, 'checkpoints') if os.path.isdir(
       os.path.join(path, 'checkpoints')) else path
@@ -105,12 +99,30 @@ def load_checkpoint(path: str, target: loaders.Target, dtype: str = 'float32', m
   if step is None:
     raise FileNotFoundError(f'no checkpoint in {directory}: train one with train.py')
   meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-  check_metadata(meta, target, os.path.join(directory, str(step)))
   d = dict(meta['drafter'])
   d['feature_layers'] = tuple(d['feature_layers'])
   d['confidence_temperature'] = meta.get('confidence_temperature', d.get('confidence_temperature',
                                                                           1.0))
-  dcfg = drafter_lib.DrafterConfig(**d)
+  return mngr, step, meta, drafter_lib.DrafterConfig(**d)
+
+
+def read_drafter_config(path: str) -> tuple[drafter_lib.DrafterConfig, dict]:
+  """(DrafterConfig, metadata) of a drafter folder from its metadata alone (no weights, no
+  target check): what benchmarks/tpu_compile.py compiles programs for."""
+  _, _, meta, dcfg = _latest(path)
+  return dcfg, meta
+
+
+def load_checkpoint(path: str, target: loaders.Target, dtype: str = 'float32', mesh=None):
+  """(DrafterConfig, params, metadata) from a training workdir, its checkpoints/ folder, or an
+  exported drafter folder; the latest step. Refuses a drafter made for another target.
+  (`drafters.load_drafter` also takes DFlash's folders.)
+
+  The parameters come back in `dtype` (decoding passes the target's: a bfloat16 target drafts
+  in bfloat16; training keeps float32 master weights), and DrafterConfig.dtype says so. With
+  `mesh` each tensor is restored straight onto its sharding (`sharding.drafter_shardings`)."""
+  mngr, step, meta, dcfg = _latest(path)
+  check_metadata(meta, target, os.path.join(mngr.directory, str(step)))
   abstract = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, target.cfg,
                                                             jax.random.PRNGKey(0)))
   stored = meta.get('param_dtype', 'float32')

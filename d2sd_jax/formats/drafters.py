@@ -18,3 +18,12 @@ def load_drafter(path: str, target: loaders.Target, dtype: str = 'float32', mesh
   if dflash_format.is_dflash_folder(path):
     return dflash_format.load_folder(path, target, dtype, mesh)
   return checkpoints.load_checkpoint(path, target, dtype, mesh)
+
+
+def drafter_config(path: str):
+  """The DrafterConfig of the drafter folder at `path` (either format), from its metadata and
+  config alone: no weights are read and no target is checked."""
+  path = os.path.abspath(checkpoints.resolve_path(path))
+  if dflash_format.is_dflash_folder(path):
+    return dflash_format.drafter_config(dflash_format.read_config(path), path)
+  return checkpoints.read_drafter_config(path)[0]

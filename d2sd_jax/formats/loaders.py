@@ -129,13 +129,16 @@ def _gguf_rope_freq_factors(scaling: str, factor: float, rope_freqs, head_dim: i
   return tuple(float(d) for d in divisor_h)
 
 
-def load_gguf(path: str, dtype: str = 'float32', mesh=None) -> Target:
+def _read_gguf(path: str):
   import gguf  # pylint: disable=import-outside-toplevel
   try:
-    reader = gguf.GGUFReader(path)
+    return gguf.GGUFReader(path)
   except Exception as e:
     raise ValueError(f'cannot read GGUF file {path}: {e} (is it complete and a GGUF file?)') from e
-  meta = _gguf_metadata(reader)
+
+
+def _gguf_model_config(reader, meta: dict, dtype: str) -> ModelConfig:
+  import gguf  # pylint: disable=import-outside-toplevel
   arch = meta.get('general.architecture')
   if arch != 'llama':
     raise ValueError(f'GGUF architecture {arch!r} is not supported (only llama-family GGUFs such '
@@ -148,7 +151,7 @@ def load_gguf(path: str, dtype: str = 'float32', mesh=None) -> Target:
   rope_freqs = tensors.get('rope_freqs.weight')
   if rope_freqs is not None:
     rope_freqs = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
-  cfg = ModelConfig(
+  return ModelConfig(
       vocab_size=len(meta['tokenizer.ggml.tokens']), d_model=d_model,
       n_layers=int(get('block_count')), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
       d_ff=int(get('feed_forward_length')), rope_base=float(get('rope.freq_base', 10000.0)),
@@ -158,6 +161,21 @@ def load_gguf(path: str, dtype: str = 'float32', mesh=None) -> Target:
       norm_eps=float(get('attention.layer_norm_rms_epsilon', 1e-5)),
       tie_embeddings='output.weight' not in tensors,
       max_position=int(get('context_length', 8192)), dtype=dtype)
+
+
+def gguf_config(path: str, dtype: str = 'float32') -> ModelConfig:
+  """The ModelConfig of a GGUF file from its metadata alone (no tensor is dequantised)."""
+  reader = _read_gguf(path)
+  return _gguf_model_config(reader, _gguf_metadata(reader), dtype)
+
+
+def load_gguf(path: str, dtype: str = 'float32', mesh=None) -> Target:
+  import gguf  # pylint: disable=import-outside-toplevel
+  reader = _read_gguf(path)
+  meta = _gguf_metadata(reader)
+  cfg = _gguf_model_config(reader, meta, dtype)
+  tensors = {t.name: t for t in reader.tensors}
+  n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads
 
   def tensor(name):
     if name not in tensors:

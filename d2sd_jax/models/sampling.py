@@ -6,7 +6,8 @@ exactly as lossless as the AR one it replaces.
 
 Every draw is cheap on a CPU, where a vocabulary-wide categorical (49,152 Gumbel variates per
 row), sort or variadic argmax costs more than the target's own decode step at batch 100:
-  greedy   `argmax`: block maxima, then one block (XLA:CPU's (value, index) reduction is slow);
+  greedy   `argmax`: block maxima, then one block (XLA:CPU's (value, index) reduction is slow;
+           programs compiled for other platforms take that reduction);
   top_k    only the k survivors of `lax.top_k` are processed and drawn from;
   top_p    without top_k, the nucleus cut is found by bisection over logit values (one masked
            sum over the vocabulary per halving) instead of a sort;
@@ -58,11 +59,23 @@ def _first(hit_NxC: jax.Array) -> jax.Array:
 
 
 def argmax(x_NxV: jax.Array) -> jax.Array:
-  """jnp.argmax over the last axis (the first maximum), int32: the max of each block of the row,
-  then the first block holding the row's max, then its first maximum. On XLA:CPU, rows of
-  49,152: 2x faster than jnp.argmax's (value, index) reduction at 1 row, 7x at 8, 9x at 100.
-  NaN counts as +inf (a row holding NaN gives its first NaN or +inf; jnp.argmax: its first
-  NaN)."""
+  """jnp.argmax over the last axis (the first maximum), int32. NaN counts as +inf (a row
+  holding NaN gives its first NaN or +inf; jnp.argmax: its first NaN).
+
+  In a program compiled for a CPU: the max of each block of the row, then the first block
+  holding the row's max, then its first maximum. On XLA:CPU, rows of 49,152: 2x faster than
+  jnp.argmax's (value, index) reduction at 1 row, 7x at 8, 9x at 100. Elsewhere (the platform
+  the program is compiled for: `jax.lax.platform_dependent`) the one (value, index) reduction:
+  on a TPU the blocks' reshape of a [T, 151936] row of logits was a relayout copy of all of
+  them (benchmarks/tpu_compile.py)."""
+  return jax.lax.platform_dependent(x_NxV, cpu=_argmax_by_blocks, default=_argmax_reduction)
+
+
+def _argmax_reduction(x_NxV: jax.Array) -> jax.Array:
+  return jnp.argmax(jnp.where(jnp.isnan(x_NxV), jnp.inf, x_NxV), axis=-1).astype(jnp.int32)
+
+
+def _argmax_by_blocks(x_NxV: jax.Array) -> jax.Array:
   no_nan = lambda x: jnp.where(jnp.isnan(x), jnp.inf, x)
   if x_NxV.shape[-1] <= 2 * BLOCK:
     x_NxV = no_nan(x_NxV)

@@ -10,6 +10,8 @@ flax's logical partitioning does, but for our plain pytrees:
   w_gate_up         [2, F, D]            (., 'mlp', 'embed')
   w_down            [D, F]               ('embed', 'mlp')
   drafter fc        [W, n*D]             (., 'features')
+  drafter wkv       [Hkv*2*hd, D]        ('kv_heads', 'embed')    (drafter.for_decoding)
+  drafter head_rows [n, D]               ('vocab', 'embed')       (drafter.for_decoding)
   norms, mask_embed, head_ids            replicated
   batches [B, ...], KV caches [B, ...]   ('batch', ...)
 
@@ -35,7 +37,11 @@ TARGET_AXES = {
 }
 DRAFTER_AXES = {**TARGET_AXES, 'fc': (None, 'features'), 'fc_norm': (None,),
                 'mask_embed': (None,), 'head_ids': (None,), 'in_proj': (None, 'embed'),
-                'out_proj': ('embed', None)}
+                'out_proj': ('embed', None),
+                # what drafter.for_decoding derives for decoding: each layer's key and value rows
+                # of wqkv [Hkv·2·hd, D] (KV-head major, split as wqkv is) and the head's rows of
+                # the target's output matrix [n, D] (split as the head is)
+                'wkv': ('kv_heads', 'embed'), 'head_rows': ('vocab', 'embed')}
 
 
 def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:

@@ -20,9 +20,9 @@ Parameter layout (`layers` is a list with one dict per layer):
 Shape letters as in speculative.py; here also H query heads, Hkv KV heads, Hg = H / Hkv query
 heads per KV head, R = Hg·T query rows per KV head, Nh any number of heads.
 Matrices are stored [out, in] (torch's Linear layout): XLA:CPU's matrix-vector products (one
-row, an AR step) stream them faster than [in, out]. On a CPU, inputs of a few rows (2-64: a
-verified tree, the drafters' blocks, a small batch's AR step) are multiplied as columns,
-(w @ x.T).T (`linear`): 1.5-1.9x faster there than x @ w.T from either layout
+row, an AR step) stream them faster than [in, out]. In programs compiled for a CPU, inputs of a
+few rows (2-64: a verified tree, the drafters' blocks, a small batch's AR step) are multiplied
+as columns, (w @ x.T).T (`linear`): 1.5-1.9x faster there than x @ w.T from either layout
 (benchmarks/matmul_layout.py), from the same weights.
 Fusing q/k/v and gate/up gives fewer, larger matmuls (what a CPU or TPU wants), and grouping by
 KV head keeps tensor-parallel sharding over heads a plain split of one axis.
@@ -176,28 +176,40 @@ COLUMN_ROWS = (2, 64)  # on a CPU, products with this many input rows are taken 
 
 
 def columns_for(rows: int) -> bool:
-  """Whether `linear` multiplies an input of `rows` rows as columns: on a CPU, within
-  COLUMN_ROWS."""
-  return jax.default_backend() == 'cpu' and COLUMN_ROWS[0] <= rows <= COLUMN_ROWS[1]
+  """Whether `linear` multiplies an input of `rows` rows as columns where the program runs on a
+  CPU: within COLUMN_ROWS. (Elsewhere it never does; see `linear`.)"""
+  return COLUMN_ROWS[0] <= rows <= COLUMN_ROWS[1]
+
+
+def _rows(x_BxTxI, w_OxI):
+  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
+
+
+def _columns(x_BxTxI, w_OxI):
+  B, T, I = x_BxTxI.shape
+  y_OxN = jax.lax.optimization_barrier(
+      jnp.einsum('ni,oi->on', x_BxTxI.reshape(B * T, I), w_OxI,
+                 preferred_element_type=jnp.float32))
+  return y_OxN.T.reshape(B, T, -1)
 
 
 def linear(x_BxTxI, w_OxI):
   """x @ w.T, float32 out (see Precision in the module docstring).
 
-  With a few rows on a CPU (`columns_for`) the product is taken as columns, w @ x.T, and
-  materialised before it is transposed back: XLA:CPU then streams w once through a kernel for a
-  tall matrix times a thin one, 1.5-1.9x faster at 4-32 rows than the row form x @ w.T from
-  either weight layout, and level with it at 64 rows and more (benchmarks/matmul_layout.py).
-  Without the optimization barrier XLA folds the transpose into the product's output layout,
-  which is the row form again. One row (an AR step) stays a matrix-vector product. Both forms
-  give the same values up to float32 summation order."""
-  B, T, I = x_BxTxI.shape
-  if columns_for(B * T):
-    y_OxN = jax.lax.optimization_barrier(
-        jnp.einsum('ni,oi->on', x_BxTxI.reshape(B * T, I), w_OxI,
-                   preferred_element_type=jnp.float32))
-    return y_OxN.T.reshape(B, T, -1)
-  return jnp.einsum('bti,oi->bto', x_BxTxI, w_OxI, preferred_element_type=jnp.float32)
+  With a few rows (`columns_for`) in a program compiled for a CPU, the product is taken as
+  columns, w @ x.T, and materialised before it is transposed back: XLA:CPU then streams w once
+  through a kernel for a tall matrix times a thin one, 1.5-1.9x faster at 4-32 rows than the row
+  form x @ w.T from either weight layout, and level with it at 64 rows and more
+  (benchmarks/matmul_layout.py). Without the optimization barrier XLA folds the transpose into
+  the product's output layout, which is the row form again. One row (an AR step) stays a
+  matrix-vector product. Both forms give the same values up to float32 summation order.
+
+  The platform is the one the program is compiled for, not the host's default backend
+  (`jax.lax.platform_dependent`, resolved when the program is lowered): a program compiled on a
+  CPU host for a TPU (benchmarks/tpu_compile.py) takes the row form, as it would on the TPU."""
+  if not columns_for(x_BxTxI.shape[0] * x_BxTxI.shape[1]):
+    return _rows(x_BxTxI, w_OxI)
+  return jax.lax.platform_dependent(x_BxTxI, w_OxI, cpu=_columns, default=_rows)
 
 
 def as_matrix(lp, name: str):
@@ -334,6 +346,11 @@ def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, c
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
                   .reshape(B, Hkv, Hg * T, hd) * hd**-0.5)
   scores_ctx_BxHkvxRxS = dot('bkqh,bksh->bkqs', q_BxHkvxRxhd, kv['k'])
+  # One softmax over [context ; new tokens] without concatenating them, normalised after the
+  # value products ([.., hd] rows instead of [.., S + T] probabilities): each score tensor is
+  # written once and read by the max, by exp + sum and by the value product, which XLA fuses
+  # the exp into (on a TPU the concatenated and normalised form wrote and read the [R, S]
+  # scores of every layer about twice as often: benchmarks/tpu_compile.py).
   if block_size:
     G = block_size
     nb = T // G
@@ -342,25 +359,30 @@ def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, c
     q_6 = q_BxHkvxRxhd.reshape(B, Hkv, Hg, nb, G, hd)
     k_5 = k_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd)
     ctx_ok = jnp.broadcast_to(ctx_mask_BxTxS, (B, T, S)).reshape(B, 1, 1, nb, G, S)
-    scores = jnp.concatenate(
-        [jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg),
-         dot('bkgnqh,bknth->bkgnqt', q_6, k_5)], axis=-1)  # [B, Hkv, Hg, nb, G, S + G]
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn_BxHkvxRxhd = (
-        dot('bkgnqs,bksh->bkgnqh', probs[..., :S], kv['v']) +
-        dot('bkgnqt,bknth->bkgnqh', probs[..., S:], v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
-    ).reshape(B, Hkv, Hg * T, hd)
+    s_ctx = jnp.where(ctx_ok, scores_ctx_BxHkvxRxS.reshape(B, Hkv, Hg, nb, G, S), neg)
+    s_new = dot('bkgnqh,bknth->bkgnqt', q_6, k_5)  # [B, Hkv, Hg, nb, G, G]
+    top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
+                      jnp.max(s_new, axis=-1, keepdims=True))
+    e_ctx, e_new = jnp.exp(s_ctx - top), jnp.exp(s_new - top)
+    total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    attn_BxHkvxRxhd = ((
+        dot('bkgnqs,bksh->bkgnqh', e_ctx, kv['v']) +
+        dot('bkgnqt,bknth->bkgnqh', e_new, v_new_BxHkvxTxhd.reshape(B, Hkv, nb, G, hd))
+    ) / total).reshape(B, Hkv, Hg * T, hd)
   else:
     scores_new_BxHkvxRxT = dot('bkqh,bkth->bkqt', q_BxHkvxRxhd, k_new_BxHkvxTxhd)
-    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None], (B, 1, Hg, T, T))
-    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None], (B, 1, Hg, T, S))
-    mask_BxHkvxRxSplusT = jnp.concatenate(
-        [ctx_mask_Bx1xRxS.reshape(B, 1, Hg * T, S), mask_new_Bx1xRxT.reshape(B, 1, Hg * T, T)],
-        axis=-1)
-    scores = jnp.concatenate([scores_ctx_BxHkvxRxS, scores_new_BxHkvxRxT], axis=-1)
-    probs = jax.nn.softmax(jnp.where(mask_BxHkvxRxSplusT, scores, neg), axis=-1)
-    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', probs[..., :S], kv['v']) +
-                       dot('bkqt,bkth->bkqh', probs[..., S:], v_new_BxHkvxTxhd))
+    mask_new_Bx1xRxT = jnp.broadcast_to(tree_mask_BxTxT[:, None, None],
+                                        (B, 1, Hg, T, T)).reshape(B, 1, Hg * T, T)
+    ctx_mask_Bx1xRxS = jnp.broadcast_to(ctx_mask_BxTxS[:, None, None],
+                                        (B, 1, Hg, T, S)).reshape(B, 1, Hg * T, S)
+    s_ctx = jnp.where(ctx_mask_Bx1xRxS, scores_ctx_BxHkvxRxS, neg)
+    s_new = jnp.where(mask_new_Bx1xRxT, scores_new_BxHkvxRxT, neg)
+    top = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True),
+                      jnp.max(s_new, axis=-1, keepdims=True))
+    e_ctx, e_new = jnp.exp(s_ctx - top), jnp.exp(s_new - top)
+    total = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    attn_BxHkvxRxhd = (dot('bkqs,bksh->bkqh', e_ctx, kv['v']) +
+                       dot('bkqt,bkth->bkqh', e_new, v_new_BxHkvxTxhd)) / total
   return (attn_BxHkvxRxhd.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4)
           .reshape(B, T, Hkv * Hg * hd))
 

@@ -44,6 +44,7 @@ from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec import ar
 from d2sd_jax.spec import drafting
 from d2sd_jax.models import target as model_lib
+from d2sd_jax.models import xla_options
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.spec import tree as tree_lib
 
@@ -143,7 +144,8 @@ def loop_program(step):
   lax.fori_loop), the timed loops here and in benchmarks/matmul_layout.py. The weights come
   in as `inputs`, arguments: closed over, they would be compile-time constants that XLA may
   fold (work done at compile time, not timed)."""
-  return jax.jit(lambda s, a: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x, a), s))
+  return jax.jit(lambda s, a: jax.lax.fori_loop(0, LOOP_ITERS, lambda i, x: step(x, a), s),
+                 compiler_options=xla_options.for_platform(jax.devices()[0].platform))
 
 
 def _median_s(fn, repeats: int) -> float:

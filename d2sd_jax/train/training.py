@@ -39,6 +39,7 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.train import losses
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import sharding
+from d2sd_jax.models import xla_options
 from d2sd_jax.formats.drafters import load_drafter
 
 KINDS = ('drafter1', 'drafter2')
@@ -147,7 +148,7 @@ def target_features(tparams, tcfg, dcfg, tokens_BxL):
   return drafter_lib.features_of(feats)
 
 
-def make_train_step(config, tcfg, dcfg, opt):
+def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None):
   """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
   float dtype) or None, in which case the frozen target computes them inside the step.
 
@@ -156,7 +157,8 @@ def make_train_step(config, tcfg, dcfg, opt):
   bfloat16 and the gradients flow back to the float32 masters. train.grad_accum = k splits the
   batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
   divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
-  drafter layer in the backward pass instead of storing its activations."""
+  drafter layer in the backward pass instead of storing its activations. compiler_options: the
+  platform's (models/xla_options.py), for the devices of the run's mesh."""
   t = config.train
   compute = t.get('compute_dtype', 'float32')
   accum, remat = t.get('grad_accum', 1), t.get('remat', False)
@@ -180,7 +182,12 @@ def make_train_step(config, tcfg, dcfg, opt):
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def accumulated(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats):
-    micro = lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+    # Micro-batch k holds rows k, k + accum, k + 2 accum, ...: every data shard (a contiguous
+    # block of rows) holds its share of each micro-batch. Contiguous micro-batches put each on
+    # one data shard: compiled for a v5e-32 slice (benchmarks/tpu_compile.py --train), every
+    # device then ran every micro-batch, all-reducing the teacher pass's [32, 2048, 4096]
+    # residual stream in every layer.
+    micro = lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
 
     def one(grads, xs):
       (_, m), g = grad_fn(trainable, fixed, tparams, *xs, normalizer=1.0)
@@ -215,7 +222,8 @@ def make_train_step(config, tcfg, dcfg, opt):
     return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
                    calibrate=True)[1]
 
-  return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+  return (jax.jit(train_step, donate_argnums=(0, 1), compiler_options=compiler_options),
+          jax.jit(eval_step, compiler_options=compiler_options))
 
 
 def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
@@ -313,7 +321,8 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   soft_k = config.loss.get('soft_k', 8) if config.loss.get('soft', 0.0) else 0
   data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
   opt = optimizer(config)
-  train_step, eval_step = make_train_step(config, target.cfg, dcfg, opt)
+  train_step, eval_step = make_train_step(
+      config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform))
 
   workdir = os.path.abspath(config.workdir)
   manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
