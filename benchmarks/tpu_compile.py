@@ -133,9 +133,11 @@ DOC = os.path.join(ROOT, 'docs', 'scale-out.md')
 def _program_table(result: dict) -> list[str]:
   est = {p['method']: p['estimate_s'] for p in result['programs']
          if p.get('compiled') and p['name'] == 'step'}
-  lines = [f"**{result['target']} on {result['topology']}** (mesh data={result['mesh']['data']}"
-           f", model={result['mesh']['model']}; drafters {result['drafters']}; batch "
-           f"{result['batch']}, context {result['context']}; {result['date']}, "
+  decode = any(p['name'] != 'train_step' for p in result['programs'])
+  where = (f"mesh data={result['mesh']['data']}, model={result['mesh']['model']}; drafters "
+           f"{result['drafters']}; batch {result['batch']}, context {result['context']}"
+           if decode else 'a training step')
+  lines = [f"**{result['target']} on {result['topology']}** ({where}; {result['date']}, "
            f"{result['machine']}, `{result['command']}`)", '',
            '| program | GB read / device | floor | × floor | memory GiB / device (of '
            f"{result['hbm_bytes_per_device'] / C.GiB:.0f}) | collectives | estimate | AR steps |",
@@ -144,10 +146,13 @@ def _program_table(result: dict) -> list[str]:
     if not p.get('compiled'):
       lines.append(f"| {p['method']} {p['name']} | did not compile: {p['error']} ||||||")
       continue
+    if 'mesh' in p:
+      p = {**p, 'name': f"{p['name']} (mesh data={p['mesh']['data']}, "
+                        f"model={p['mesh']['model']})"}
     floor = p.get('ideal_bytes_per_device')
     coll = p['collectives']
     steps = (f"{p['estimate_s'] / est['ar']:.2f}" if 'ar' in est and p['name'] in
-             ('step', 'loop') and p['method'] != 'drafter1' else '')
+             ('step', 'loop') else '')
     lines.append(
         f"| {p['method']} {p['name']} | {p['bytes_per_device'] / 1e9:.2f} | "
         f"{floor / 1e9:.2f} | {p['bytes_per_device'] / floor:.2f} | " if floor else
@@ -198,8 +203,9 @@ def markdown() -> str:
                               sizes=sorted({1, 16, 32, 64} | {s.tree_size for s in
                                                               specs.values()}))
     cyc = {m: costs.cycle(sp) for m, sp in specs.items()}
+    note = ", one chip: 8B weights do not fit its 16 GiB" if name == 'tpu-v5e' else ''
     out.append(f"| {chip.name} | roofline (`scripts/costmodel.py predict --chip {name}`, "
-               f"lowered programs) | {1e3 * costs.ar_step:.2f} ms | "
+               f"lowered programs{note}) | {1e3 * costs.ar_step:.2f} ms | "
                f"{cyc['dflash'] / costs.ar_step:.2f} AR | {cyc['d2sd'] / costs.ar_step:.2f} AR | "
                f"{throughput.tokens_per_s(C.PAPER_TAU['dflash'], cyc['dflash']) * costs.ar_step:.2f}× | "
                f"{throughput.tokens_per_s(C.PAPER_TAU['d2sd'], cyc['d2sd']) * costs.ar_step:.2f}× |")
