@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from d2sd_jax.models import drafter as D
+from d2sd_jax.models import sampling as S
 from d2sd_jax.spec import drafting
 from d2sd_jax.spec import ar as AR
 from d2sd_jax.train import losses
@@ -119,23 +120,35 @@ def trained_bundle(tiny, steps: int = 400):
   on the tiny target's greedy outputs. Cached on disk by the training code and the target, so
   the test processes of one machine train them once (about 15 s)."""
   cfg, params = tiny
-  with open(__file__, 'rb') as f:  # this file holds the data and the training recipe
-    fp = hashlib.sha256(f.read() + repr((DCFG, DCFG2, steps, cfg, jax.__version__)).encode())
+
+  def train(init):
+    seq, label = _training_data(cfg, params)
+    return {'drafter1': _fit(init['drafter1'], DCFG, cfg, False, steps, params, seq, label,
+                             jax.random.PRNGKey(1)),
+            'drafter2': _fit(init['drafter2'], DCFG2, cfg, True, steps, params, seq, label,
+                             jax.random.PRNGKey(2))}
+
+  return _cached_drafters(tiny, steps, train)
+
+
+def _cached_drafters(tiny, recipe, train, drafter2_cfg=DCFG2):
+  """The bundle of `train(initial drafters)`, cached on disk under a fingerprint of this file
+  (the data and the training recipes), `recipe`, the configs, jax's version and the target."""
+  cfg, params = tiny
+  with open(__file__, 'rb') as f:
+    fp = hashlib.sha256(f.read() + repr((DCFG, drafter2_cfg, recipe, cfg,
+                                         jax.__version__)).encode())
   for x in jax.tree.leaves(params):
     fp.update(np.asarray(x).tobytes())
   path = os.path.join(tempfile.gettempdir(), f'd2sd_tiny_drafters_{fp.hexdigest()[:16]}.npz')
   init = {'drafter1': D.init_params(DCFG, cfg, jax.random.PRNGKey(5)),
-          'drafter2': D.init_params(DCFG2, cfg, jax.random.PRNGKey(6))}
+          'drafter2': D.init_params(drafter2_cfg, cfg, jax.random.PRNGKey(6))}
   if os.path.exists(path):
     with np.load(path) as f:
       flat = [jnp.asarray(f[f'a{i}']) for i in range(len(f.files))]
     trained = jax.tree.unflatten(jax.tree.structure(init), flat)
   else:
-    seq, label = _training_data(cfg, params)
-    trained = {'drafter1': _fit(init['drafter1'], DCFG, cfg, False, steps, params, seq, label,
-                                jax.random.PRNGKey(1)),
-               'drafter2': _fit(init['drafter2'], DCFG2, cfg, True, steps, params, seq, label,
-                                jax.random.PRNGKey(2))}
+    trained = train(init)
     tmp = path + f'.{os.getpid()}.tmp.npz'
     np.savez(tmp, **{f'a{i}': np.asarray(x) for i, x in enumerate(jax.tree.leaves(trained))})
     os.replace(tmp, path)
@@ -475,3 +488,194 @@ def check_every_verified_node_reachable(tiny, bundle, methods=('dflash_resample'
       shrunk += int(np.sum((np.asarray(tree.valid_BxT).sum(1) < spec.tree_size) & live[:, 0]))
     if redraft == 'merge' and method != 'd2sd_pld':
       assert shrunk, method  # (branches did start on the chain's token and were merged)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny drafters fitted to the target's sampled continuations: branches accepted at T > 0
+
+
+WINDOW_PROMPT = PROMPTS[0]  # the prompt of the end-to-end law tests (test_acceptance.py)
+WINDOW_NEW = 8  # tokens per training continuation: the law windows' blocks end by then
+
+
+def _sampled_continuations(cfg, params, rows: int = 48):
+  """[rows, P + WINDOW_NEW]: WINDOW_PROMPT and a continuation sampled from the target at T = 1,
+  top-k 4 (the contexts the sampled law tests reach), drawn in numpy from the reference
+  forward."""
+  rng, settings, law = np.random.default_rng(0), S.SamplingSettings(temperature=1.0, top_k=4), {}
+  seqs = []
+  for _ in range(rows):
+    seq = list(WINDOW_PROMPT)
+    for _ in range(WINDOW_NEW):
+      if tuple(seq) not in law:
+        p = np.asarray(S.probs(full_last_logits(cfg, params, jnp.asarray([seq])), settings),
+                       np.float64)
+        law[tuple(seq)] = p / p.sum()
+      seq.append(int(rng.choice(cfg.vocab_size, p=law[tuple(seq)])))
+    seqs.append(seq)
+  return jnp.asarray(seqs, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fit_soft(dparams, dcfg, tcfg, steps, tparams, seq_BxL, vp, key, k: int = 8):
+  """Adam on the soft-label loss: at every generated position the target's k likeliest next
+  tokens with their T = 1 probabilities, so that a drafter's second choice is the target's;
+  anchors at the generated positions, prefixes from the VP prior where `vp` (traced: both
+  drafters train in one program, vmapped)."""
+  B, L = seq_BxL.shape
+  h, _, feats = M.forward(tparams, tcfg, seq_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)),
+                          M.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
+                          feature_layers=dcfg.feature_layers)
+  feats = D.features_of(feats)
+  probs, ids = jax.lax.top_k(jax.nn.softmax(M.logits(tparams, tcfg, h), -1), k)
+  # Position t's label is the law of token t: the logits after token t - 1.
+  shift = lambda x: jnp.concatenate([x[:, :1], x[:, :-1]], 1)
+  topk = (shift(ids).astype(jnp.int32), shift(probs))
+  P = L - WINDOW_NEW
+  label = jnp.broadcast_to(jnp.arange(L) >= P, (B, L))
+  opt = optax.adam(3e-3)
+  A, Gm = 8, dcfg.gamma
+
+  def loss_fn(p, k):
+    ka, kl = jax.random.split(k)
+    anchors = jax.random.randint(ka, (B, A), P, L - 1)
+    prefix = jnp.where(vp, jax.random.choice(kl, Gm - 1, (B, A), p=losses.vp_prefix_prior(Gm, 0.7)),
+                       0)
+    weights = losses.vp_weights(prefix.reshape(-1), Gm, 3.0).reshape(B, A, Gm)
+    return losses.drafter_loss(p, dcfg, tparams, tcfg, seq_BxL, feats, label, anchors, prefix,
+                               weights, topk=topk, soft=1.0)[0]
+
+  def step(carry, k):
+    p, s = carry
+    updates, s = opt.update(jax.grad(loss_fn)(p, k), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  (dparams, _), _ = jax.lax.scan(step, (dparams, opt.init(dparams)), jax.random.split(key, steps))
+  return dparams
+
+
+def sampled_bundle(tiny, steps: int = 200):
+  """{'target', 'drafter1', 'drafter2'} fitted to the target's sampled continuations of
+  WINDOW_PROMPT with soft labels: at T > 0 the target often draws its second choice, and
+  drafter 2's branches (drafter 1's too, re-drafted) carry it, so paths through branches are
+  accepted in many cycles. Both have drafter 1's config (DCFG: one training program for the
+  two); drafter 2 is trained with the VP objective. Cached on disk like trained_bundle."""
+  cfg, params = tiny
+
+  def train(init):
+    seq = _sampled_continuations(cfg, params)
+    both = jax.tree.map(lambda *x: jnp.stack(x), init['drafter1'], init['drafter2'])
+    fit = lambda p, vp, key: _fit_soft(p, DCFG, cfg, steps, params, seq, vp, key)
+    both = jax.jit(jax.vmap(fit))(both, jnp.asarray([False, True]),
+                                  jax.random.split(jax.random.PRNGKey(3)))
+    return {'drafter1': jax.tree.map(lambda x: x[0], both),
+            'drafter2': jax.tree.map(lambda x: x[1], both)}
+
+  return _cached_drafters(tiny, ('sampled', steps), train, drafter2_cfg=DCFG)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-step denoising and per-row drafting, against direct references
+
+
+_drafter_forward = jax.jit(D.forward, static_argnums=(1, 3))
+_context_kv = jax.jit(D.context_kv, static_argnums=(1,))
+
+
+def _reference_denoise(dparams, dcfg, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,
+                       ctx, ctx_mask_BxS, steps, sign=1.0):
+  """drafter.denoise written out eagerly: every pass is one plain drafter forward (a dense
+  block-diagonal mask); in each block it commits the ceil(M / steps) masked positions of
+  highest confidence (sign=-1: of lowest), ties to the lower position, in numpy float64.
+  Returns (tokens, conf, probs, the smallest confidence gap a choice depended on)."""
+  tokens, mask = np.array(tokens_BxQ), np.array(is_mask_BxQ)
+  B, Q = tokens.shape
+  G = dcfg.gamma
+  per_step = -(-mask.reshape(B, Q // G, G).sum(2) // steps)
+  conf_out = np.ones((B, Q))
+  probs_out = np.eye(tcfg.vocab_size)[tokens]
+  block_mask = np.kron(np.eye(Q // G, dtype=bool), np.ones((G, G), bool))
+  gap = np.inf
+  for _ in range(steps):
+    lg = np.asarray(_drafter_forward(dparams, dcfg, tparams, tcfg, tokens, mask, positions_BxQ,
+                                     ctx, ctx_mask_BxS, np.broadcast_to(block_mask, (B, Q, Q))),
+                    np.float64)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    zc = (lg - lg.max(-1, keepdims=True)) / dcfg.confidence_temperature
+    conf = 1.0 / np.exp(zc).sum(-1)
+    for b in range(B):
+      for blk in range(Q // G):
+        masked = [q for q in range(blk * G, (blk + 1) * G) if mask[b, q]]
+        order = sorted(masked, key=lambda q: (-sign * conf[b, q], q))
+        n = int(per_step[b, blk])
+        if 0 < n < len(order):
+          gap = min(gap, abs(conf[b, order[n - 1]] - conf[b, order[n]]))
+        for q in order[:n]:
+          tokens[b, q], conf_out[b, q] = int(np.argmax(lg[b, q])), conf[b, q]
+          probs_out[b, q], mask[b, q] = p[b, q], False
+  return tokens, conf_out, probs_out, gap
+
+
+def check_denoise_confidence_order(tiny, bundle):
+  """Multi-step denoising (`order='confidence'`) commits the most confident masked positions
+  first, in every block: it equals the eager reference on drafter 1 (trained: its confidences
+  vary), for 2 and 4 passes over blocks of 4 and 3 masked positions side by side, in rows
+  of different contexts. The order really matters here: the least-confident-first reference
+  drafts other distributions."""
+  cfg, params = tiny
+  dparams, G = bundle['drafter1'], DCFG.gamma
+  rng = np.random.default_rng(1)
+  B, n = 4, 12
+  seq = rng.integers(1, cfg.vocab_size, (B, n + 1)).astype(np.int32)
+  _, feats = fresh_prefill(cfg, params, jnp.asarray(seq), DCFG.feature_layers)
+  ctx = _context_kv(dparams, DCFG, D.features_of(np.asarray(feats)[:, :n]),
+                    np.broadcast_to(np.arange(n), (B, n)))
+  ctx_mask = np.ones((B, n), bool)
+  # Block 0: the anchor and 4 masks; block 1: the anchor, a given token and 3 masks.
+  block = np.zeros((B, 2 * G), np.int32)
+  block[:, 0] = block[:, G] = seq[:, n]
+  block[:, G + 1] = seq[:, 0]
+  is_mask = np.tile(np.r_[np.arange(G) > 0, np.arange(G) > 1], (B, 1))
+  positions = np.broadcast_to(n + np.tile(np.arange(G), 2), (B, 2 * G))
+  denoise = jax.jit(D.denoise, static_argnums=(1, 3), static_argnames=('steps', 'order'))
+  for steps in (2, 4):
+    tokens, conf, probs = denoise(dparams, DCFG, params, cfg, block, is_mask, positions, ctx,
+                                  ctx_mask, steps=steps, order='confidence')
+    ref_tokens, ref_conf, ref_probs, gap = _reference_denoise(
+        dparams, DCFG, params, cfg, block, is_mask, positions, ctx, ctx_mask, steps)
+    assert gap > 1e-4, gap  # no near-tie: the order is well defined in float32
+    np.testing.assert_allclose(np.asarray(probs), ref_probs, atol=1e-5, err_msg=f'steps={steps}')
+    np.testing.assert_allclose(np.asarray(conf), ref_conf, atol=1e-5, err_msg=f'steps={steps}')
+    np.testing.assert_array_equal(np.asarray(tokens), ref_tokens, err_msg=f'steps={steps}')
+    _, _, reverse_probs, _ = _reference_denoise(dparams, DCFG, params, cfg, block, is_mask,
+                                                positions, ctx, ctx_mask, steps, sign=-1.0)
+    assert np.abs(reverse_probs - ref_probs).max() > 1e-2, steps
+
+
+def check_rows_draft_as_alone(tiny, bundle, methods=('d2sd',), cycles=1):
+  """Every row of a batch of rows of different committed lengths (PROMPTS: 10, 1 and 6 tokens;
+  with cycles > 1, then what each cycle commits) drafts the tree it drafts alone, from its own
+  context length: the same tokens, parents and validity (drafter 1's chain, the cuts its
+  confidences choose, drafter 2's branches)."""
+  cfg, _ = tiny
+  gen = AR.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0)
+  init, draft, _, _, _ = _stage_programs()
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  for method in methods:
+    spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
+                           n_branches=3)
+    state = init(bundle, cfg, spec, block, lens, AR.row_keys(0, range(len(PROMPTS))),
+                 SP.cache_size_needed(block.shape[1], spec))
+    for c in range(cycles):
+      assert len(set(np.asarray(state.cache_len_B).tolist())) == len(PROMPTS)
+      tree = draft(bundle, cfg, spec, state)
+      for b in range(len(PROMPTS)):
+        alone = draft(bundle, cfg, spec, jax.tree.map(
+            lambda x: np.asarray(x)[b:b + 1] if x.ndim else x, state))
+        for field in ('tokens_BxT', 'parents_BxT', 'valid_BxT'):
+          np.testing.assert_array_equal(np.asarray(getattr(tree, field))[b],
+                                        np.asarray(getattr(alone, field))[0],
+                                        err_msg=f'{method}, cycle {c}, row {b}: {field}')
+      if c + 1 < cycles:
+        state = jax.jit(SP.spec_step, static_argnames=('cfg', 'settings'))(bundle, cfg, spec, state)

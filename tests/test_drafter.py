@@ -10,6 +10,7 @@ import pytest
 from d2sd_jax.models import drafter as D
 from d2sd_jax.train import losses
 from d2sd_jax.models import target as M
+import spec_helpers
 
 DCFG = D.DrafterConfig(gamma=4, n_layers=2, d_model=24, n_heads=4, n_kv_heads=2, head_dim=6,
                        d_ff=40, feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)
@@ -163,6 +164,12 @@ def test_denoise_one_pass_and_left_to_right(setup):
     ref = ref.at[:, k].set(jnp.argmax(lg[:, k], -1))
     ref_mask = ref_mask.at[:, k].set(False)
   np.testing.assert_array_equal(toks, ref)
+
+
+def test_multi_step_denoising_unmasks_the_most_confident_first(tiny):
+  """order='confidence' against an eager reference of the rule, on a trained drafter whose
+  confidences vary (spec_helpers.check_denoise_confidence_order)."""
+  spec_helpers.check_denoise_confidence_order(tiny, spec_helpers.trained_bundle(tiny))
 
 
 def test_bad_drafter_configs(tiny):

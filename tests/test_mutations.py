@@ -12,6 +12,7 @@ import types
 import jax
 import pytest
 
+from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec import drafting
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.spec import tree as tree_lib
@@ -75,6 +76,26 @@ MUTATIONS = {
     'bonus keeps rejected point-mass siblings': (
         tree_lib, 'jnp.where(tried_BxT, tree.tokens_BxT, -1))',
         'jnp.where(tried_BxT & False, tree.tokens_BxT, -1))', 'lenient_siblings_law'),
+    # Verification must sample from the target's law under the user's settings, as AR does.
+    'sample-and-match ignores the temperature': (
+        tree_lib, 'lambda k, lg: sampling_lib.sample(k, lg, settings)',
+        'lambda k, lg: sampling_lib.sample(k, lg, sampling_lib.SamplingSettings('
+        'float(settings.temperature > 0), settings.top_k, settings.top_p))', 'duplicate_law_T0.6'),
+    'recursive rejection ignores top-p': (
+        tree_lib, 'p_BxTxV = sampling_lib.probs(target_logits_BxTxV, settings)',
+        'p_BxTxV = sampling_lib.probs(target_logits_BxTxV, sampling_lib.SamplingSettings('
+        'settings.temperature, settings.top_k))', 'sibling_law_p0.8'),
+    # Multi-step denoising commits the least confident positions first.
+    'denoising unmasks the least confident first': (
+        drafter_lib, "score = conf if order == 'confidence' else",
+        "score = -conf if order == 'confidence' else", 'denoise_order'),
+    # Every row drafts after the longest row's context (positions and visible context slots).
+    "drafting from the longest row's context": (
+        drafting, 'positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), '
+        '(B, K, G))\n  ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]',
+        'longest_B = jnp.broadcast_to(jnp.max(state.cache_len_B), state.cache_len_B.shape)\n'
+        '  positions = jnp.broadcast_to(longest_B[:, None, None] + jnp.arange(G), (B, K, G))\n'
+        '  ctx_mask = jnp.arange(S)[None] < longest_B[:, None]', 'rows_alone'),
     'sample-and-match descends into a duplicate sibling': (
         tree_lib, 'match = reachable(tree) & (tree.tokens_BxT == y_at_parent)',
         'match = tree.valid_BxT & (tree.tokens_BxT == y_at_parent)', 'duplicate_law'),
@@ -104,8 +125,17 @@ def run_check(kind, tiny, trained):
     test_acceptance.check_sibling_laws_exact()
   elif kind == 'duplicate_law':
     test_acceptance.check_sample_and_match_exact()
+  elif kind == 'duplicate_law_T0.6':
+    test_acceptance.check_sample_and_match_exact(
+        settings=test_acceptance.USER_SAMPLINGS['T0.6-k4'])
+  elif kind == 'sibling_law_p0.8':
+    test_acceptance.check_sibling_laws_exact(settings=test_acceptance.USER_SAMPLINGS['T1-p0.8'])
+  elif kind == 'denoise_order':
+    H.check_denoise_confidence_order(tiny, trained)
+  elif kind == 'rows_alone':
+    H.check_rows_draft_as_alone(tiny, trained)
   elif kind == 'lenient_siblings_law':
-    test_acceptance.test_leniency_with_two_siblings_follows_the_enumerated_law()
+    test_acceptance.check_lenient_siblings_law()
   else:
     raise ValueError(kind)
 

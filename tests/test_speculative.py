@@ -190,6 +190,19 @@ def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft)
     assert counts['branch_accepts'] > 0, counts
 
 
+# Every drafter method; d2sd (drafter 1 and drafter 2 through the same drafting path) in the
+# default tier, the others in the slow tier.
+ROW_METHODS = [pytest.param(m, marks=() if m == 'd2sd' else (pytest.mark.slow,))
+               for m, method in drafting.REGISTRY.items() if method.drafters]
+
+
+@pytest.mark.parametrize('method', ROW_METHODS)
+def test_rows_draft_what_they_draft_alone(tiny, trained, method):
+  """Rows of different committed lengths in one batch: each row's tree is the tree it drafts
+  alone (its own positions and context slots, not the longest row's)."""
+  H.check_rows_draft_as_alone(tiny, trained, methods=(method,))
+
+
 @pytest.mark.parametrize('method', ['d2sd', 'd2sd_pld'])
 def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatch, method):
   """Windows of 8, 16, 32, ... slots (model.context_windows; 256 and up by default), so the
