@@ -32,7 +32,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 SECTIONS = ('ladder', 'scaling', 'pareto', 'calibration')
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
@@ -218,22 +218,10 @@ def plots(results: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, 'pareto.png'), dpi=120)
 
 
-def machine() -> str:
-  """What ran a measurement: CPU model and count, OS, and the JAX device."""
-  import jax  # pylint: disable=import-outside-toplevel
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open('/proc/cpuinfo') as f:
-      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-  except (OSError, StopIteration):
-    pass
-  dev = jax.devices()[0]
-  return f'{os.cpu_count()} x {cpu}, {platform.system()}, jax {jax.__version__} on {dev.device_kind}'
-
-
 def run_record(argv: list[str]) -> dict:
   """The date, machine and command of a run, kept with each section it wrote."""
-  return {'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': machine(),
+  return {'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+          'machine': costmodel.machine(),
           'command': ' '.join(['python benchmarks/reproduce.py', *argv]).strip()}
 
 

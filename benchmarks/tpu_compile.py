@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 
@@ -40,6 +39,7 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from d2sd_jax import files  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, 'results', 'tpu_compile.json')
@@ -64,17 +64,6 @@ flags.DEFINE_bool('markdown', False, f'print the tables of {os.path.relpath(RECO
 flags.DEFINE_bool('write', False, 'with --markdown: put them into docs/scale-out.md')
 config_flags.DEFINE_config_file('train', None, "a train.py config: compile one training step "
                                 '(overrides as --train.x=y)', lock_config=True)
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open('/proc/cpuinfo') as f:
-      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-  except (OSError, StopIteration):
-    pass
-  import jax  # pylint: disable=import-outside-toplevel
-  return f'{os.cpu_count()} x {cpu}, {platform.system()}, jax {jax.__version__}'
 
 
 def table(result: dict) -> str:
@@ -166,7 +155,7 @@ def _program_table(result: dict) -> list[str]:
 def markdown() -> str:
   """docs/scale-out.md's compiled section, from results/tpu_compile.json (and, for the shipped
   drafters' speed-ups, results/reproduce.json's tau), with the roofline of costmodel.predict."""
-  from d2sd_jax.perf import costmodel, throughput  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.perf import throughput  # pylint: disable=import-outside-toplevel
   from d2sd_jax.spec import ar, speculative as SP  # pylint: disable=import-outside-toplevel
   with open(RECORD) as f:
     kept = json.load(f)
@@ -272,7 +261,7 @@ def run() -> dict:
     rows += [{**r, 'mesh': dict(train_mesh.shape)} for r in trained]
   kv = C.floors('step', tcfg, dcfgs, None, mesh, FLAGS.batch, FLAGS.context)['target KV']
   return {
-      'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': machine(),
+      'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': costmodel.machine(device=False),
       'command': ' '.join(['python benchmarks/tpu_compile.py', *sys.argv[1:]]),
       'topology': FLAGS.topology, 'device_kind': devices[0].device_kind, 'chip': chip.name,
       'n_devices': len(devices), 'mesh': dict(mesh.shape), 'target': FLAGS.target,

@@ -87,6 +87,19 @@ def _training_data(cfg, params):
   return jnp.asarray(seq), jnp.asarray(label)
 
 
+def _adam(dparams, loss_fn, steps: int, key):
+  """`steps` Adam steps (lr 3e-3) on loss_fn(params, key), one key per step, in one scan."""
+  opt = optax.adam(3e-3)
+
+  def step(carry, k):
+    p, s = carry
+    updates, s = opt.update(jax.grad(loss_fn)(p, k), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  (dparams, _), _ = jax.lax.scan(step, (dparams, opt.init(dparams)), jax.random.split(key, steps))
+  return dparams
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _fit(dparams, dcfg, tcfg, vp, steps, tparams, seq_BxL, label_BxL, key):
   B, L = seq_BxL.shape
@@ -94,7 +107,6 @@ def _fit(dparams, dcfg, tcfg, vp, steps, tparams, seq_BxL, label_BxL, key):
                           M.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
                           feature_layers=dcfg.feature_layers)
   feats = D.features_of(feats)
-  opt = optax.adam(3e-3)
   A, Gm = 16, dcfg.gamma
 
   def loss_fn(p, k):
@@ -105,14 +117,7 @@ def _fit(dparams, dcfg, tcfg, vp, steps, tparams, seq_BxL, label_BxL, key):
     weights = losses.vp_weights(prefix.reshape(-1), Gm, 3.0).reshape(B, A, Gm)
     return losses.drafter_loss(p, dcfg, tparams, tcfg, seq_BxL, feats, label_BxL, anchors,
                                prefix, weights)[0]
-
-  def step(carry, k):
-    p, s = carry
-    updates, s = opt.update(jax.grad(loss_fn)(p, k), s, p)
-    return (optax.apply_updates(p, updates), s), None
-
-  (dparams, _), _ = jax.lax.scan(step, (dparams, opt.init(dparams)), jax.random.split(key, steps))
-  return dparams
+  return _adam(dparams, loss_fn, steps, key)
 
 
 def trained_bundle(tiny, steps: int = 400):
@@ -533,7 +538,6 @@ def _fit_soft(dparams, dcfg, tcfg, steps, tparams, seq_BxL, vp, key, k: int = 8)
   topk = (shift(ids).astype(jnp.int32), shift(probs))
   P = L - WINDOW_NEW
   label = jnp.broadcast_to(jnp.arange(L) >= P, (B, L))
-  opt = optax.adam(3e-3)
   A, Gm = 8, dcfg.gamma
 
   def loss_fn(p, k):
@@ -544,14 +548,7 @@ def _fit_soft(dparams, dcfg, tcfg, steps, tparams, seq_BxL, vp, key, k: int = 8)
     weights = losses.vp_weights(prefix.reshape(-1), Gm, 3.0).reshape(B, A, Gm)
     return losses.drafter_loss(p, dcfg, tparams, tcfg, seq_BxL, feats, label, anchors, prefix,
                                weights, topk=topk, soft=1.0)[0]
-
-  def step(carry, k):
-    p, s = carry
-    updates, s = opt.update(jax.grad(loss_fn)(p, k), s, p)
-    return (optax.apply_updates(p, updates), s), None
-
-  (dparams, _), _ = jax.lax.scan(step, (dparams, opt.init(dparams)), jax.random.split(key, steps))
-  return dparams
+  return _adam(dparams, loss_fn, steps, key)
 
 
 def sampled_bundle(tiny, steps: int = 200):

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import statistics
 import time
 
@@ -77,6 +78,20 @@ TARGETS = {
                                           rope_base=5e5, tie_embeddings=False,
                                           max_position=131072, dtype='bfloat16'),
 }
+
+
+
+def machine(device: bool = True) -> str:
+  """What ran a measurement: CPU count and model, OS, the JAX version and (device=True) the
+  JAX device it ran on; kept with every recorded result."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  except (OSError, StopIteration):
+    pass
+  out = f'{os.cpu_count()} x {cpu}, {platform.system()}, jax {jax.__version__}'
+  return out + f' on {jax.devices()[0].device_kind}' if device else out
 
 
 def paper_drafter(tcfg: model_lib.ModelConfig, gamma: int = 16) -> drafter_lib.DrafterConfig:
