@@ -430,7 +430,8 @@ def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
 # Methods whose trees hold nodes off drafter 1's chain. Each runs the sampled law test below at
 # every setting of USER_SAMPLINGS, in the default tier at BRANCH_SAMPLING (a new tree method is
 # appended here, and needs nothing else).
-BRANCH_METHODS = ['dflash_resample', 'dflash_dflash', 'd2sd']
+BRANCH_METHODS = ['dflash_resample', 'dflash_dflash', 'd2sd', 'ddtree', 'd2sd_tree']
+BRANCH_BUDGET = 8  # tree_budget of the budgeted methods among them (best-first trees)
 BRANCH_SAMPLING = 'T0.6-k4'
 # ...and the other settings in the default tier too, through one point-mass method.
 DEFAULT_TIER_SAMPLINGS = {('d2sd', 'T1.3-k4'), ('d2sd', 'T1-p0.8')}
@@ -485,7 +486,7 @@ def branch_windows(cfg, bundle, spec, prompt, runs, B=512):
   return counts, stats
 
 
-@pytest.mark.parametrize('method,sampling', _branch_law_cases())
+@pytest.mark.parametrize('method,sampling', list(_branch_law_cases()))
 def test_sampled_window_law_through_branches(tiny, sampled_drafters, method, sampling):
   """At the settings users run (T 0.6 and 1.3 with top-k 4: a rejected child leaves 3 tokens
   or more; top-p 0.8), four generated tokens follow the target's joint law (enumerated from
@@ -497,8 +498,9 @@ def test_sampled_window_law_through_branches(tiny, sampled_drafters, method, sam
   settings = USER_SAMPLINGS[sampling]
   n = 4
   gen = AR.GenerationSettings(max_new_tokens=n, eos_ids=(), pad_id=0, sampling=settings)
+  budget = BRANCH_BUDGET if drafting.REGISTRY[method].budgeted else 0
   spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG,
-                         n_branches=2)
+                         n_branches=2, tree_budget=budget)
   law = window_law(cfg, params, WINDOW_PROMPT, settings, n)
   counts, stats = branch_windows(cfg, sampled_drafters, spec, WINDOW_PROMPT, runs=8)
   stat, dof = pooled_chi2(counts, law)

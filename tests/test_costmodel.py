@@ -143,8 +143,9 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
                                   dataclasses.replace(base, method='auto'))
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
   table = stats['auto_candidates']
+  trees = {f'{m}(N={n})' for m in ('ddtree', 'd2sd_tree') for n in autoconfig.TREE_BUDGETS}
   assert set(table) == {'ar', 'pld(gamma=4)', 'dflash', 'd2sd(K=1)', 'd2sd(K=2)',
-                        'd2sd_pld(K=1)'}
+                        'd2sd_pld(K=1)'} | trees
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   assert stats['auto_choice'] == best
   assert stats['predicted_tokens_per_s'] == table[best]['predicted_tokens_per_s']
