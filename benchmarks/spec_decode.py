@@ -5,10 +5,13 @@ target and any prompts file.
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
       [--redraft exclude|merge]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
+      [--records data/distill-packages]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
 {"turns": [...]} as in its MT-Bench / HumanEval JSONL, ShareGPT, OpenAI messages), first turns;
---prompts keeps the first N of them.
+--prompts keeps the first N of them. --records DIR takes the prompts of a distillation folder's
+held-out records (the 5 % that training holds out by id, never trained on) in the style --chat
+selects (chat requests, or plain completions without it).
 
 Every method runs through decode.py's own code path on the same prompts, greedy, batch 1. The
 script checks that each method's completions equal AR's token for token (lossless), then prints
@@ -32,6 +35,10 @@ sys.path.insert(0, os.path.join(ROOT, 'configs'))
 import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.train import data as data_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.train import records as records_lib  # pylint: disable=wrong-import-position
+
+EVAL_FRACTION = 0.05  # configs/drafter*.py's data.eval_fraction
 
 
 def humaneval_problems(n: int) -> list[dict]:
@@ -47,6 +54,16 @@ def humaneval_problems(n: int) -> list[dict]:
 
 def humaneval_prompts(n: int) -> list[str]:
   return [p['prompt'] for p in humaneval_problems(n)]
+
+
+def held_out_record_prompts(path: str, n: int, chat: bool) -> list[str]:
+  """The prompts of the first n held-out records (training's split by id) of one style."""
+  rows = [r for r in records_lib.read_records(path) if bool(r.get('chat')) == chat]
+  held = data_lib.held_out_ids([r['id'] for r in rows], EVAL_FRACTION)
+  prompts = [r['prompt'] for r, h in zip(rows, held) if h][:n]
+  if not prompts:
+    raise SystemExit(f'{path}: no held-out {"chat" if chat else "plain"} records')
+  return prompts
 
 
 def main():
@@ -65,11 +82,16 @@ def main():
   parser.add_argument('--target', default='smollm2')
   parser.add_argument('--dtype', default='float32')
   parser.add_argument('--prompts_file', default='', help='JSONL (default: HumanEval)')
+  parser.add_argument('--records', default='',
+                      help="a distillation folder: its held-out records' prompts")
   args = parser.parse_args()
 
   with tempfile.TemporaryDirectory() as tmp:
     prompts_file = os.path.join(tmp, 'prompts.jsonl')
-    if args.prompts_file:
+    if args.records:
+      lines = [json.dumps({'prompt': p}) + '\n'
+               for p in held_out_record_prompts(args.records, args.prompts, args.chat)]
+    elif args.prompts_file:
       with open(args.prompts_file) as f:
         lines = [line for line in f if line.strip()][:args.prompts]
     else:

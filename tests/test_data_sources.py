@@ -303,3 +303,24 @@ def test_several_shard_folders_read_in_order(tmp_path):
   (tmp_path / 'empty').mkdir()
   with pytest.raises(FileNotFoundError, match='empty'):
     records.shard_files(f'{tmp_path / "a"},{tmp_path / "empty"}')
+
+
+def test_spec_decode_records_are_training_held_out_split(tmp_path):
+  """benchmarks/spec_decode.py --records DIR decodes the prompts of the records training holds
+  out (the same ids, the same fraction as configs/drafter1.py), of the style --chat selects."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, 'benchmarks'))
+  import spec_decode  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(root, 'configs'))
+  import drafter1  # pylint: disable=import-outside-toplevel
+  assert spec_decode.EVAL_FRACTION == drafter1.get_config().data.eval_fraction
+  rows = [{**GOOD, 'id': f'r{i}', 'prompt': f'prompt {i}', 'chat': i % 2 == 0} for i in range(400)]
+  folder = write_shard(tmp_path / 'd', rows)
+  held = data.held_out_ids([r['id'] for r in rows], spec_decode.EVAL_FRACTION)
+  for chat in (True, False):
+    want = [r['prompt'] for r, h in zip(rows, held) if h and r['chat'] == chat]
+    assert 3 <= len(want) < 40  # a real split: some held out, most not
+    assert spec_decode.held_out_record_prompts(folder, 1000, chat) == want
+    assert spec_decode.held_out_record_prompts(folder, 2, chat) == want[:2]
+  with pytest.raises(SystemExit, match='no held-out chat records'):
+    spec_decode.held_out_record_prompts(write_shard(tmp_path / 'e', [GOOD]), 5, True)
