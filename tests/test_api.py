@@ -22,6 +22,11 @@ def test_decoder_generates_losslessly_and_round_trips(tiny_folder, tiny_drafters
     out = dec.generate(prompts, 12, chat=False, method=method)
     assert out.ids == ar.ids, method
     assert out.stats['cycles'] > 0 and out.stats['tau'] >= 1
+    assert 'expected_tau' not in out.stats  # only best-first trees score their nodes
+  tree = dec.generate(prompts, 12, chat=False, method='d2sd_tree', tree_budget=8)
+  assert tree.ids == ar.ids
+  # what the trees' scores expected: more than the anchor, at most one per draft node
+  assert 1 < tree.stats['expected_tau'] <= 1 + (8 - 1)
   saved = dec.save(str(tmp_path / 'decoder'))
   again = d2sd_jax.load(saved)
   assert again.method == 'd2sd' and sorted(again.drafters) == ['drafter1', 'drafter2']

@@ -59,6 +59,14 @@ def test_beam_pool_finds_the_likeliest_prefixes_by_enumeration(m):
     want = best_prefixes(np.asarray(logp[b], np.float64), m)
     assert set(node_paths(tree, b)) == {path for _, path in want}, b
     assert int(tree.tokens_BxT[b, 0]) == 7
+    # Each node carries its prefix's log-probability, and the tree expects to commit their sum
+    # of probabilities (a score of the wrong node, or a sum over the pool, fails it).
+    score_of = {path: lp for lp, path in want}
+    for path, j in node_paths(tree, b).items():
+      np.testing.assert_allclose(float(tree.score_BxT[b, j]), score_of[path], rtol=1e-5,
+                                 atol=1e-5)
+    np.testing.assert_allclose(float(tree_lib.expected_drafts(tree)[b]),
+                               sum(np.exp(lp) for lp, _ in want), rtol=1e-5)
 
 
 def test_best_of_pool_invalidates_what_hangs_under_an_unchosen_node():
@@ -77,6 +85,10 @@ def test_best_of_pool_invalidates_what_hangs_under_an_unchosen_node():
                                jnp.asarray([[-1.0, -jnp.inf, -2.0, -3.0]]), depth, size=4,
                                max_depth=4)
   assert set(node_paths(tree, 0)) == {(10,), (10, 12), (10, 12, 13)}
+  # nodes that can never be accepted add nothing to what the tree expects to commit
+  np.testing.assert_allclose(float(tree_lib.expected_drafts(tree)[0]),
+                             np.exp(-1.0) + np.exp(-2.0) + np.exp(-3.0), rtol=1e-6)
+  assert float(tree_lib.expected_drafts(tree_lib.chain(jnp.asarray([5]), token, token > 0))[0]) == 0
 
 
 def test_merge_paths_keeps_one_node_per_path_with_the_best_score():
@@ -241,6 +253,12 @@ def test_tree_methods_equal_ar(tiny, trained, method, budget):
       n = int(acc.accept_len_B[b])
       path = np.asarray(tree.tokens_BxT[b])[np.asarray(acc.path_BxC[b])[1:n + 1]]
       off_chain[0] += bool(np.any(path != chain[b, 1:n + 1]))
+    # each live row adds what this cycle's tree expected to commit; a finished row adds nothing
+    live = ~np.asarray(state.done_B)
+    np.testing.assert_allclose(np.asarray(new_state.expected_B - state.expected_B),
+                               np.where(live, np.asarray(tree_lib.expected_drafts(tree)), 0.0),
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(tree_lib.expected_drafts(tree))[live] > 0)
 
   outs, counts = H.run_cycles(cfg, bundle, spec, PROMPTS, on_cycle=on_cycle)
   assert outs == H.ar_outputs(cfg, params, PROMPTS, spec.generation)

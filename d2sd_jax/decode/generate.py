@@ -19,6 +19,7 @@ from d2sd_jax.decode.options import Options
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import sharding
 from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.spec import drafting
 
 def tokenizer_of(target: loaders.Target):
   if target.tokenizer is None:
@@ -80,6 +81,9 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
                  tau=round(decode_tokens / cycles, 3) if cycles else None,
                  accepted_histogram=[int(h) for h in st['hist']])
+    if drafting.REGISTRY[options.method].budgeted and cycles:
+      # what the trees' own scores predicted τ to be: a check of their calibration
+      stats['expected_tau'] = round(1.0 + st['expected'] / cycles, 3)
     if options.stage_times:  # three more programs to compile: only on request
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
   stats.update(auto_stats)

@@ -71,9 +71,10 @@ class ARRunner(Runner):
 
   @staticmethod
   def outputs(state):
-    """(tokens [B, N], counts [B], forward passes in the loop, cycles [B] or None, hist or None)"""
+    """(tokens [B, N], counts [B], forward passes in the loop, cycles [B] or None, hist or None,
+    expected draft tokens [B] or None)"""
     out, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
-    return out, counts, int(steps), None, None
+    return out, counts, int(steps), None, None, None
 
 
 class SpecRunner(Runner):
@@ -110,9 +111,10 @@ class SpecRunner(Runner):
 
   def outputs(self, state):
     out = SP.generated(state, self.settings.generation.max_new_tokens)
-    out, counts, steps, cycles, hist = jax.device_get(
-        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxC))
-    return out, counts, int(steps), cycles, hist
+    out, counts, steps, cycles, hist, expected = jax.device_get(
+        (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxC,
+         state.expected_B))
+    return out, counts, int(steps), cycles, hist, expected
 
 
 def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int) -> int:
@@ -151,13 +153,14 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
 def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
                    width: int | None = None):
   """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
-  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, first_batch).
+  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, expected, first_batch).
 
   Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
   prefill and one decode-loop program for the run, whatever the prompt lengths of each batch
   (a caller decoding a request in parts passes the whole request's width)."""
   completions = []
-  stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None}
+  stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None,
+           'expected': 0.0}
   B = batch_size
   width = round_up(width or max(len(p) for p in prompt_ids), PROMPT_BUCKET)
   for start in range(0, len(prompt_ids), B):
@@ -172,11 +175,12 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
     state, t_prefill, t_decode = runner(block, lens, keys)
     stats['prefill_s'] += t_prefill
     stats['decode_s'] += t_decode
-    out_ids, counts, steps, row_cycles, row_hist = runner.outputs(state)
+    out_ids, counts, steps, row_cycles, row_hist, row_expected = runner.outputs(state)
     stats['decode_steps'] += steps
     for i, _ in enumerate(rows):
       completions.append([int(t) for t in out_ids[i, :counts[i]]])
       if row_cycles is not None:
         stats['cycles'] += int(row_cycles[i])
         stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
+        stats['expected'] += float(row_expected[i])
   return completions, stats

@@ -122,6 +122,9 @@ class SpecState:
   row_key_B: jax.Array  # PRNG key per row (fold_in(seed, prompt index): batch-independent)
   cycles_B: jax.Array  # int32: verification cycles run while the row was live
   accepted_hist_BxC: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
+  # float32: the draft tokens the live cycles' trees expected to commit, summed (best-first
+  # trees: tree.expected_drafts; 0 for the others)
+  expected_B: jax.Array
   steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
   draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
 
@@ -197,6 +200,7 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    num_out_B=jnp.ones((B,), jnp.int32), done_B=done, row_key_B=row_key_B,
                    cycles_B=jnp.zeros((B,), jnp.int32),
                    accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
+                   expected_B=jnp.zeros((B,), jnp.float32),
                    steps=jnp.zeros((), jnp.int32), draft_caches=caches)
 
 
@@ -321,6 +325,8 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxC=hist, steps=state.steps + 1,
+                       expected_B=state.expected_B + jnp.where(
+                           live_B, tree_lib.expected_drafts(tree), 0.0),
                        draft_caches=draft_caches)
 
 

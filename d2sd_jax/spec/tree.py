@@ -22,6 +22,10 @@ class Tree:
   # The law each node's token was drawn from, for recursive rejection ([B, T, V]); None: every
   # draft is a point mass (deterministic), verified by sample-and-match.
   q_BxTxV: jax.Array | None = None
+  # Best-first trees: the log of each node's estimated probability of being reached and
+  # accepted (node 0: 0; an invalid node: -inf), from which a cycle expects 1 + sum(exp(score))
+  # committed tokens. None for the other trees.
+  score_BxT: jax.Array | None = None
 
   @property
   def size(self) -> int:
@@ -240,7 +244,18 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
   for _ in range(max_depth - 1):  # an invalid node invalidates its subtree
     valid = valid & jnp.take_along_axis(valid, parents, 1)
   tokens = jnp.concatenate([anchor_B[:, None], jnp.take_along_axis(token_BxP, chosen, 1)], 1)
-  return Tree(tokens_BxT=tokens.astype(jnp.int32), parents_BxT=parents, valid_BxT=valid)
+  score = jnp.concatenate([jnp.zeros((B, 1)), jnp.take_along_axis(score_BxP, chosen, 1)], 1)
+  return Tree(tokens_BxT=tokens.astype(jnp.int32), parents_BxT=parents, valid_BxT=valid,
+              score_BxT=jnp.where(valid, score, -jnp.inf).astype(jnp.float32))
+
+
+def expected_drafts(tree: Tree) -> jax.Array:
+  """[B] the draft tokens a best-first tree expects to commit: the sum of its valid nodes'
+  estimated probabilities of being reached and accepted (the accepted nodes form one path, so
+  the accepted length is the number of accepted nodes); 0 for a tree without scores."""
+  if tree.score_BxT is None:
+    return jnp.zeros(tree.tokens_BxT.shape[:1], jnp.float32)
+  return jnp.sum(jnp.where(tree.valid_BxT[:, 1:], jnp.exp(tree.score_BxT[:, 1:]), 0.0), axis=1)
 
 
 def beam_pool(top_logp_BxGxW, top_ids_BxGxW):
