@@ -1,6 +1,6 @@
 """One command for the papers' findings on this machine: JSON and PNG in results/.
 
-  python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,scaling,pareto,calibration]
+  python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,trees,scaling,pareto,calibration]
       (--only reruns those sections and keeps the others from the existing JSON)
       [--drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2]
   python benchmarks/reproduce.py --markdown [--write]   # the tables, from results/*.json;
@@ -11,6 +11,11 @@ Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 
   HumanEval in the chat template, HumanEval as plain completion, and a non-code chat set
   (benchmarks/prompts/prose.jsonl): tau, decode tokens/s, speed-up over AR in the same run,
   per-stage times. Every method's completions must equal AR's (lossless), or the run stops.
+- trees: the best-first trees at node budget TREE_BUDGET beside the chain and D²SD's own tree
+  (ar, pld, dflash, ddtree, d2sd, d2sd_tree), greedy, on HumanEval in the chat template and on
+  held-out code: plain completions of the held-out records of data/distill-packages (the split
+  training never sees; documented functions of installed packages). tau, the trees' own
+  expected tau (from their node scores), tokens/s, speed-up over AR in the same run; lossless.
 - scaling: gamma = 4 / 8 / 16 for prompt lookup (a diffusion drafter's gamma is fixed by its
   training: its gamma scaling needs one drafter trained per gamma, not done here), and d2sd at
   K = 1 / 2 / 4 branches (HumanEval chat).
@@ -44,8 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
-SECTIONS = ('ladder', 'scaling', 'pareto', 'calibration')
+SECTIONS = ('ladder', 'trees', 'scaling', 'pareto', 'calibration')
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
+TREES = ('ar', 'pld', 'dflash', 'ddtree', 'd2sd', 'd2sd_tree')
+TREE_BUDGET = 16  # nodes verified per cycle by ddtree and d2sd_tree, the anchor included
+HELD_OUT_CODE = os.path.join(ROOT, 'data', 'distill-packages')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
 
 
@@ -123,6 +131,26 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
         raise SystemExit(f'{method} on {name} changed the output: not lossless')
       rows.append(row_of(method, g.stats, ar_ms))
       print(json.dumps({'ladder': name, **rows[-1]}), flush=True)
+    out[name] = rows
+  return out
+
+
+def trees(dec, n: int, tokens: int) -> dict:
+  sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
+          'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
+                                 False)}
+  out = {}
+  for name, (prompts, chat) in sets.items():
+    rows, ar_ids, ar_ms = [], None, None
+    for method in TREES:
+      knobs = {'tree_budget': TREE_BUDGET} if method in ('ddtree', 'd2sd_tree') else {}
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs)
+      if method == 'ar':
+        ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
+      elif g.ids != ar_ids:
+        raise SystemExit(f'{method} on {name} changed the output: not lossless')
+      rows.append({**row_of(method, g.stats, ar_ms), 'expected_tau': g.stats.get('expected_tau')})
+      print(json.dumps({'trees': name, **rows[-1]}), flush=True)
     out[name] = rows
   return out
 
@@ -287,6 +315,15 @@ def markdown(out_dir: str) -> str:
         stages = ' / '.join(str(round(st[k], 1)) for k in ('draft', 'verify', 'accept') if k in st)
         lines.append(f"| {r['method']} | {r['tau']} | {r['decode_tokens_per_s']} | "
                      f"{r['speedup_vs_ar']} | {stages or '–'} |")
+    for name, rows in res.get('trees', {}).items():
+      lines += [f'\nbest-first trees at {TREE_BUDGET} nodes, {name} ({res["settings"]}) '
+                f'{_measured(res, "trees")}:', '',
+                '| method | τ | expected τ (node scores) | tree nodes | tokens/s | speed-up vs AR |',
+                '|---|---|---|---|---|---|']
+      for r in rows:
+        lines.append(f"| {r['method']} | {r['tau']} | {r['expected_tau'] or '–'} | "
+                     f"{r['tree_size'] or '–'} | {r['decode_tokens_per_s']} | "
+                     f"{r['speedup_vs_ar']} |")
     if 'scaling' in res:
       lines += ['', f'γ and K scaling, HumanEval chat {_measured(res, "scaling")}:', '',
                 '| knob | value | method | τ | tokens/s | speed-up vs AR | tree nodes |',
@@ -381,6 +418,8 @@ def main():
   if 'ladder' in only:
     # (--quick: no per-stage times, 3 more programs per method to compile)
     results['ladder'] = ladder(dec, n, tokens, stage_times=not args.quick)
+  if 'trees' in only:
+    results['trees'] = trees(dec, n, tokens)
   if 'scaling' in only:
     results['scaling'] = scaling(dec, n, tokens)
   if 'pareto' in only:

@@ -99,6 +99,13 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   for rows in res['ladder'].values():
     assert [r['method'] for r in rows] == list(reproduce.LADDER)
     assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
+  assert set(res['trees']) == {'humaneval_chat', 'heldout_code_plain'}
+  for rows in res['trees'].values():
+    assert [r['method'] for r in rows] == list(reproduce.TREES)
+    for r in rows:
+      tree = r['method'] in ('ddtree', 'd2sd_tree')
+      assert (r['tree_size'] == reproduce.TREE_BUDGET) if tree else True
+      assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
   assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
   assert [r['n_branches'] for r in res['scaling']['branches']] == [1, 2, 4]
   points = res['pareto']['points']
@@ -111,6 +118,7 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   md = subprocess.run([sys.executable, script, '--markdown', '--out', str(out)], cwd=root,
                       capture_output=True, text=True, timeout=600, check=True).stdout
   assert '| d2sd_pld |' in md and '| steps | λ |' in md and 'calibration:' in md
+  assert 'best-first trees at 16 nodes, heldout_code_plain' in md and '| d2sd_tree |' in md
 
 
 def test_the_readme_and_results_page_hold_the_tables_the_command_prints():
