@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -26,6 +25,7 @@ from d2sd_jax.decode import options as options_lib
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.perf import costmodel
 from d2sd_jax.train import data as data_lib
 from d2sd_jax.train import records as records_lib
 
@@ -73,8 +73,7 @@ def main():
       'candidates': {label: {k: row[k] for k in ('method', 'spec', 'tau', 'cycle_ar_steps')}
                      for label, row in probed['auto_candidates'].items()},
       'run': {'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
-              'machine': f'{os.cpu_count()} x {platform.processor() or platform.machine()}, '
-                         f'jax {jax.__version__} on {jax.devices()[0].device_kind}',
+              'machine': costmodel.machine(),
               'command': ' '.join(['python scripts/auto_priors.py', *sys.argv[1:]]).strip(),
               'prompts': f'{len(prompts)} held-out records of {args.data}, '
                          f'{args.new_tokens} new tokens', 'seconds': round(time.time() - t0)}}
