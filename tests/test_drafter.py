@@ -77,7 +77,10 @@ def test_training_blocks_match_decode_time_blocks(setup):
       sl = slice(i * G, (i + 1) * G)
       ref = decode_time_logits(setup, a, jnp.broadcast_to(tokens[b, sl], (2, G)),
                                jnp.broadcast_to(is_mask[b, sl], (2, G)))[b]
-      np.testing.assert_allclose(train_logits[b, sl], ref, rtol=1e-5, atol=1e-5)
+      # Two programs: float32 rounding relative to the block's logits (up to ~16), 3.5e-7 of
+      # them on one CPU; a context one slot longer or shorter moves them by 1.5e-2 of them.
+      np.testing.assert_allclose(train_logits[b, sl], ref, rtol=0,
+                                 atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
 def test_vp_prior_and_weights_follow_the_formulas():
