@@ -207,6 +207,12 @@ def assert_caches_fresh(cfg, bundle, spec, state):
   """The target cache and every drafter's context equal a fresh prefill of the committed
   tokens (first cache_len slots), and the sequence buffer holds nothing past them."""
   layers = tuple(sorted({0, cfg.n_layers} | set(spec.feature_layers)))
+  # Different programs: float32 rounding relative to the caches' scale (their values reach ~17,
+  # the drafters' ~3; the features behind them ~400): up to 2e-5 of it on one CPU, so 1e-4 of
+  # it. A slot holding another token's K/V, or none, is off by a good part of the scale.
+  close = lambda got, want, msg: np.testing.assert_allclose(
+      got, want, rtol=0, atol=1e-4 * float(np.max(np.abs(np.asarray(want)), initial=0.0)),
+      err_msg=msg)
   for b in range(state.seq_BxL.shape[0]):
     n = int(state.cache_len_B[b])
     assert n == int(state.seq_len_B[b]) - 1
@@ -216,16 +222,14 @@ def assert_caches_fresh(cfg, bundle, spec, state):
     ref_cache, feats = fresh_prefill(cfg, bundle['target'], state.seq_BxL[b:b + 1], layers)
     for layer, ref_layer in zip(state.cache, ref_cache):
       for kv in ('k', 'v'):
-        np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], rtol=1e-4,
-                                   atol=1e-4, err_msg=f'target cache, row {b}')
+        close(layer[kv][b, :, :n], ref_layer[kv][0, :, :n], f'target cache, row {b}')
     for name in spec.drafters:
       dcfg = getattr(spec, name)
       idx = [layers.index(i) for i in dcfg.feature_layers]
       ref = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :n, idx]), jnp.arange(n)[None])
       for layer, ref_layer in zip(state.draft_caches[name], ref):
         for kv in ('k', 'v'):
-          np.testing.assert_allclose(layer[kv][b, :, :n], ref_layer[kv][0], rtol=1e-4,
-                                     atol=1e-4, err_msg=f'{name} context, row {b}')
+          close(layer[kv][b, :, :n], ref_layer[kv][0], f'{name} context, row {b}')
 
 
 def run_cycles(cfg, bundle, spec, prompts, seed=0, check_caches=True, on_cycle=None):
