@@ -16,6 +16,10 @@ The public names below load lazily: `import d2sd_jax.models.target` needs no Orb
 """
 import importlib
 
+from d2sd_jax import platforms as _platforms
+
+_platforms.skip_absent_tpu()  # no libtpu errors on a CPU host (d2sd_jax/platforms.py)
+
 _PUBLIC = {
     'load': 'd2sd_jax.decode.api',
     'Decoder': 'd2sd_jax.decode.api',

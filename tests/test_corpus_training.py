@@ -123,8 +123,9 @@ def test_training_with_a_corpus_reads_the_right_features(tiny_folder, distill_di
     c.train.precompute_features = pre
     runs[pre] = training.run(c)
   np.testing.assert_allclose(runs[True]['loss'], runs[False]['loss'], rtol=2e-3)
-  assert runs[True]['eval']['tau_estimate'] == pytest.approx(runs[False]['eval']['tau_estimate'],
-                                                             abs=1e-3)
+  # held-out blocks through the eval feature file: the same loss (the barely trained drafter's
+  # held-out accuracy is 0 in both runs, so accuracy or tau could not tell them apart)
+  assert runs[True]['eval']['loss'] == pytest.approx(runs[False]['eval']['loss'], rel=2e-3)
   assert len(os.listdir(tmp_path / 'True' / 'features' / 'train')) == 2  # main + corpus
   plain = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'plain'), steps=1)
   training.run(plain)

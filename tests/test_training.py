@@ -132,7 +132,8 @@ def test_gradient_accumulation_and_remat_give_the_same_update(tiny_folder, disti
     c.train.update(grad_accum=accum, remat=remat)
     runs[name] = training.run(c)
   for name in ('accum', 'remat'):
-    assert runs[name]['acc_by_pos'] == pytest.approx(runs['plain']['acc_by_pos'], abs=1e-6)
+    # the held-out loss (accuracy is still 0 after 3 steps: it could not tell them apart)
+    assert runs[name]['eval']['loss'] == pytest.approx(runs['plain']['eval']['loss'], rel=1e-5)
     for x, y in zip(jax.tree.leaves(runs['plain']['params']),
                     jax.tree.leaves(runs[name]['params'])):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
