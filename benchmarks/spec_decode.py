@@ -119,7 +119,8 @@ def main():
                       'prefill_s': ar_stats['prefill_s']}), flush=True)
     summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
                'target': args.target, 'dtype': args.dtype,
-               'prompts_file': args.prompts_file or 'HumanEval',
+               'prompts_file': (f'held-out records of {args.records}' if args.records else
+                                args.prompts_file or 'HumanEval'),
                'ar_tokens_per_s': ar_stats['decode_tokens_per_s']}
     for method in args.methods.split(','):
       stats, ids = run(method)
