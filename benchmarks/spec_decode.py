@@ -36,7 +36,6 @@ import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.train import data as data_lib  # pylint: disable=wrong-import-position
-from d2sd_jax.train import records as records_lib  # pylint: disable=wrong-import-position
 
 EVAL_FRACTION = 0.05  # configs/drafter*.py's data.eval_fraction
 
@@ -58,9 +57,8 @@ def humaneval_prompts(n: int) -> list[str]:
 
 def held_out_record_prompts(path: str, n: int, chat: bool) -> list[str]:
   """The prompts of the first n held-out records (training's split by id) of one style."""
-  rows = [r for r in records_lib.read_records(path) if bool(r.get('chat')) == chat]
-  held = data_lib.held_out_ids([r['id'] for r in rows], EVAL_FRACTION)
-  prompts = [r['prompt'] for r, h in zip(rows, held) if h][:n]
+  prompts = [r['prompt'] for r in data_lib.held_out_records(path, EVAL_FRACTION)
+             if bool(r.get('chat')) == chat][:n]
   if not prompts:
     raise SystemExit(f'{path}: no held-out {"chat" if chat else "plain"} records')
   return prompts

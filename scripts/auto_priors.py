@@ -27,16 +27,13 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
 from d2sd_jax.perf import costmodel
 from d2sd_jax.train import data as data_lib
-from d2sd_jax.train import records as records_lib
 
 
 def held_out_prompts(path: str, n: int, fraction: float, max_tokens: int) -> list[list[int]]:
   """The prompt ids of n held-out records, alternating chat and plain styles."""
-  rows = records_lib.read_records(path)
-  held = data_lib.held_out_ids([r['id'] for r in rows], fraction)
   styles = {}
-  for r, h in zip(rows, held):
-    if h and len(r['prompt_ids']) <= max_tokens:
+  for r in data_lib.held_out_records(path, fraction):
+    if len(r['prompt_ids']) <= max_tokens:
       styles.setdefault(bool(r.get('chat')), []).append(r['prompt_ids'])
   chat, plain = styles.get(True, []), styles.get(False, [])
   out = [p for pair in zip(chat, plain) for p in pair][:n]

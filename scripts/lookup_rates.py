@@ -11,7 +11,6 @@ import json
 
 from d2sd_jax.train import calibration
 from d2sd_jax.train import data as data_lib
-from d2sd_jax.train import records as records_lib
 
 
 def main(argv=None):
@@ -24,12 +23,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   seqs, prompt_lens = [], []
   for path in args.data.split(','):
-    rows = records_lib.read_records(path)
-    held = data_lib.held_out_ids([r['id'] for r in rows], args.eval_fraction)
-    for r, h in zip(rows, held):
-      if h:
-        seqs.append(r['prompt_ids'] + r['response_ids'])
-        prompt_lens.append(len(r['prompt_ids']))
+    for r in data_lib.held_out_records(path, args.eval_fraction):
+      seqs.append(r['prompt_ids'] + r['response_ids'])
+      prompt_lens.append(len(r['prompt_ids']))
   rates, counts = calibration.lookup_accept_rates(seqs, prompt_lens, args.gamma, args.ngram_max)
   print(json.dumps({'records': len(seqs), 'lookup_accept': [round(r, 3) for r in rates],
                     'proposals_stopped': counts}))

@@ -60,6 +60,13 @@ def held_out_ids(ids: list[str], fraction: float) -> np.ndarray:
                      for i in ids], bool)
 
 
+def held_out_records(path: str, fraction: float) -> list[dict]:
+  """The records of the distillation shards under `path` that training holds out (by id, at
+  data.eval_fraction = `fraction`), in order: what evaluations read."""
+  rows = records_lib.read_records(path)
+  return [r for r, h in zip(rows, held_out_ids([r['id'] for r in rows], fraction)) if h]
+
+
 def _held_out_indices(n: int, fraction: float) -> np.ndarray:
   """For records without ids (text): a hash of the index (splitmix64), vectorised for
   datasets of millions of examples."""
