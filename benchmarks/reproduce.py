@@ -112,25 +112,32 @@ def row_of(method: str, stats: dict, ar_ms: float) -> dict:
           'decode_tokens_per_s': stats['decode_tokens_per_s'],
           'ms_per_token': round(per_token_ms(stats), 2),
           'speedup_vs_ar': round(ar_ms / per_token_ms(stats), 3),
-          'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size')}
+          'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size'),
+          'expected_tau': stats.get('expected_tau')}  # best-first trees only
 
 
 def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'humaneval_plain': ([p['prompt'] for p in humaneval(n)], False),
           'prose_chat': (prose(n), True)}
+  return lossless_rows(dec, 'ladder', sets, LADDER, tokens,
+                       lambda method: {'stage_times': stage_times and method != 'ar'})
+
+
+def lossless_rows(dec, section: str, sets: dict, methods, tokens: int, knobs) -> dict:
+  """Per prompt set, a row per method (the first is 'ar'), each decoded with knobs(method);
+  any output that differs from AR's stops the run."""
   out = {}
   for name, (prompts, chat) in sets.items():
     rows, ar_ids, ar_ms = [], None, None
-    for method in LADDER:
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
-                       stage_times=stage_times and method != 'ar')
+    for method in methods:
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs(method))
       if method == 'ar':
         ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
       elif g.ids != ar_ids:
         raise SystemExit(f'{method} on {name} changed the output: not lossless')
       rows.append(row_of(method, g.stats, ar_ms))
-      print(json.dumps({'ladder': name, **rows[-1]}), flush=True)
+      print(json.dumps({section: name, **rows[-1]}), flush=True)
     out[name] = rows
   return out
 
@@ -139,20 +146,8 @@ def trees(dec, n: int, tokens: int) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
                                  False)}
-  out = {}
-  for name, (prompts, chat) in sets.items():
-    rows, ar_ids, ar_ms = [], None, None
-    for method in TREES:
-      knobs = {'tree_budget': TREE_BUDGET} if method in ('ddtree', 'd2sd_tree') else {}
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs)
-      if method == 'ar':
-        ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
-      elif g.ids != ar_ids:
-        raise SystemExit(f'{method} on {name} changed the output: not lossless')
-      rows.append({**row_of(method, g.stats, ar_ms), 'expected_tau': g.stats.get('expected_tau')})
-      print(json.dumps({'trees': name, **rows[-1]}), flush=True)
-    out[name] = rows
-  return out
+  return lossless_rows(dec, 'trees', sets, TREES, tokens, lambda method: (
+      {'tree_budget': TREE_BUDGET} if method in ('ddtree', 'd2sd_tree') else {}))
 
 
 def scaling(dec, n: int, tokens: int) -> dict:
