@@ -3,8 +3,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from d2sd_jax import platforms
 
 
@@ -30,11 +28,17 @@ def test_only_a_cpu_host_with_libtpu_is_pointed_at_the_cpu(tmp_path):
   assert not platforms.cpu_only_host({}, specs(), cpu_box)  # no libtpu: nothing to silence
 
 
-def test_importing_the_package_keeps_libtpu_quiet_on_this_cpu_host():
+def test_importing_the_package_keeps_libtpu_quiet_on_a_cpu_host():
+  """On a CPU host with libtpu (the test extra installs it): JAX starts on the CPU with no
+  libtpu message. Anywhere else (a TPU VM, a GPU machine): JAX_PLATFORMS is left unset."""
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
-  if not platforms.cpu_only_host(env):
-    pytest.skip('this host has a TPU, a CUDA plugin or no libtpu')
-  proc = subprocess.run([sys.executable, '-c', 'import d2sd_jax, jax; print(jax.default_backend())'],
-                        env=env, capture_output=True, text=True, timeout=120, check=True)
-  assert proc.stdout.strip() == 'cpu'
-  assert 'libtpu' not in proc.stderr and 'TPU' not in proc.stderr, proc.stderr[-2000:]
+  code = ('import os, d2sd_jax, jax; print(os.environ.get("JAX_PLATFORMS")); '
+          'print(jax.default_backend())')
+  proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                        timeout=120, check=True)
+  platforms_set, backend = proc.stdout.split()
+  if platforms.cpu_only_host(env):
+    assert (platforms_set, backend) == ('cpu', 'cpu')
+    assert 'libtpu' not in proc.stderr and 'TPU' not in proc.stderr, proc.stderr[-2000:]
+  else:
+    assert platforms_set == 'None'

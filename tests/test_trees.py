@@ -81,11 +81,12 @@ def test_best_of_pool_invalidates_what_hangs_under_an_unchosen_node():
   got = {tuple(np.asarray(tree.tokens_BxT[0, [j]]).tolist()): bool(tree.valid_BxT[0, j])
          for j in range(1, 4)}
   assert got == {(11,): True, (12,): False, (13,): False}
+  # nodes that can never be accepted add nothing to what the tree expects to commit
+  np.testing.assert_allclose(float(tree_lib.expected_drafts(tree)[0]), np.exp(-1.0), rtol=1e-6)
   tree = tree_lib.best_of_pool(jnp.asarray([5]), token, parent,
                                jnp.asarray([[-1.0, -jnp.inf, -2.0, -3.0]]), depth, size=4,
                                max_depth=4)
   assert set(node_paths(tree, 0)) == {(10,), (10, 12), (10, 12, 13)}
-  # nodes that can never be accepted add nothing to what the tree expects to commit
   np.testing.assert_allclose(float(tree_lib.expected_drafts(tree)[0]),
                              np.exp(-1.0) + np.exp(-2.0) + np.exp(-3.0), rtol=1e-6)
   assert float(tree_lib.expected_drafts(tree_lib.chain(jnp.asarray([5]), token, token > 0))[0]) == 0

@@ -252,10 +252,11 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
 def expected_drafts(tree: Tree) -> jax.Array:
   """[B] the draft tokens a best-first tree expects to commit: the sum of its valid nodes'
   estimated probabilities of being reached and accepted (the accepted nodes form one path, so
-  the accepted length is the number of accepted nodes); 0 for a tree without scores."""
+  the accepted length is the number of accepted nodes; an invalid node scores -inf, adding 0);
+  0 for a tree without scores."""
   if tree.score_BxT is None:
     return jnp.zeros(tree.tokens_BxT.shape[:1], jnp.float32)
-  return jnp.sum(jnp.where(tree.valid_BxT[:, 1:], jnp.exp(tree.score_BxT[:, 1:]), 0.0), axis=1)
+  return jnp.sum(jnp.exp(tree.score_BxT[:, 1:]), axis=1)
 
 
 def beam_pool(top_logp_BxGxW, top_ids_BxGxW):
