@@ -88,16 +88,17 @@ def main(argv=None):
                    if int(b) < args.max_prompt_tokens} | {args.max_prompt_tokens})
   generator = batching.Generator(target.params, target.cfg, settings, args.batch_size, bounds,
                                  args.prompt_bucket)
-  t0, log = time.time(), lambda m: print(m, flush=True)
-  if convs is not None:
-    tokens = distill.distill_conversations(convs, tok, args.out, generator, args.shard_size,
-                                   args.max_prompt_tokens, args.chunk_shards, log,
-                                   teacher['seed'], template)
-  else:
-    prompts = distill.encoded(rows, tok, args.max_prompt_tokens, template)
-    tokens = distill.distill(prompts, args.out, generator, args.shard_size, log, teacher['seed'])
-  print(f'{tokens} tokens in {time.time() - t0:.0f} s ({generator.compile_s:.0f} s compiling)',
-        flush=True)
+  with sharding.tracing_under(mesh):  # (the TPU attention kernel splits over the mesh)
+    t0, log = time.time(), lambda m: print(m, flush=True)
+    if convs is not None:
+      tokens = distill.distill_conversations(convs, tok, args.out, generator, args.shard_size,
+                                     args.max_prompt_tokens, args.chunk_shards, log,
+                                     teacher['seed'], template)
+    else:
+      prompts = distill.encoded(rows, tok, args.max_prompt_tokens, template)
+      tokens = distill.distill(prompts, args.out, generator, args.shard_size, log, teacher['seed'])
+    print(f'{tokens} tokens in {time.time() - t0:.0f} s ({generator.compile_s:.0f} s compiling)',
+          flush=True)
 
 
 if __name__ == '__main__':

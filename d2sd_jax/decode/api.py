@@ -82,8 +82,9 @@ class Decoder:
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
         cache_len=cache_len, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh,
         auto_probe=auto_probe)
-    completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,
-                                               self._runners)
+    with sharding.tracing_under(self.mesh):
+      completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,
+                                                 self._runners)
     return Generation(texts=[c['completion'] for c in completions],
                       ids=[c['completion_ids'] for c in completions], stats=stats)
 

@@ -99,6 +99,11 @@ def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   prompts = options_lib.read_prompts(config)
   sharding.maybe_initialize_distributed(config.get('distributed', False))
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.model) if 'mesh' in config else None
+  with sharding.tracing_under(mesh):
+    return _generate(config, options, prompts, mesh, out)
+
+
+def _generate(config, options, prompts, mesh, out) -> dict:
   split = mesh is not None and mesh.size > 1  # tensor parallel: weights split over 'model'
   target = loaders.load_target(config.target, config.dtype, mesh if split else None)
   tokenizer_of(target)

@@ -22,6 +22,8 @@ jit partitions the same program (the tests check sharded = unsharded).
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -62,6 +64,13 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
     raise ValueError(f'mesh.data={data} x mesh.model={model} does not fit the {n} devices: '
                      f'make the product at most {n}, or set one of them to -1 (infer)')
   return Mesh(devices[:data * model].reshape(data, model), ('data', 'model'))
+
+
+def tracing_under(mesh: Mesh | None):
+  """The context to trace and run programs over `mesh` in: `jax.set_mesh(mesh)`, so a kernel
+  XLA cannot partition (models/splash.py's custom call) splits itself over the mesh's axes
+  instead of failing to compile; a no-op without a mesh."""
+  return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def spec_for(shape, logical_axes, mesh: Mesh) -> P:

@@ -46,6 +46,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from d2sd_jax.models import splash
+
 Params = dict[str, Any]
 Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, Hkv, S, hd]
 
@@ -288,8 +290,10 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     block, [.., T/G, G, G], so memory and work grow as T·G instead of T² (training attends
     anchors·γ block tokens at once);
   - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
-    attention among the new tokens alone through `jax.nn.dot_product_attention` (cuDNN's fused
-    kernel on GPUs where it applies, XLA elsewhere) instead of scores against all S empty slots.
+    attention among the new tokens alone, instead of scores against all S empty slots: in a
+    program compiled for a TPU through Pallas splash attention (`splash.causal`), elsewhere
+    through `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs where it applies, XLA
+    on CPUs).
 
   The general and block forms read only a window of the cache: the first W slots, W the
   smallest of `context_windows(S)` (256, 512, 1024, ... slots and S) that holds every slot a
@@ -301,9 +305,9 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     if tree_mask_BxTxT is not None or block_size:
       raise ValueError('fresh attention is causal: give neither tree_mask nor block_size')
     B, T, H, hd = q_BxTxHxhd.shape
-    out_BxTxHxhd = jax.nn.dot_product_attention(
-        q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd.transpose(0, 2, 1, 3),
-        v_new_BxHkvxTxhd.transpose(0, 2, 1, 3), is_causal=True)
+    out_BxTxHxhd = jax.lax.platform_dependent(
+        q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
+        tpu=splash.causal, default=_fresh_einsum)
     return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
   ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
   S = kv['k'].shape[2]
@@ -315,6 +319,11 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
   used = jnp.max(jnp.where(jnp.any(ctx_mask_BxTxS, axis=(0, 1)), jnp.arange(S) + 1, 0))
   which = jnp.searchsorted(jnp.asarray(windows), used)  # the first window >= used
   return jax.lax.switch(which, [functools.partial(attend, w) for w in windows], *args)
+
+
+def _fresh_einsum(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd):
+  return jax.nn.dot_product_attention(q_BxTxHxhd, k_BxHkvxTxhd.transpose(0, 2, 1, 3),
+                                      v_BxHkvxTxhd.transpose(0, 2, 1, 3), is_causal=True)
 
 
 MIN_WINDOW = 256  # the smallest context window attention compiles (see context_windows)

@@ -208,11 +208,20 @@ class Program:
   floor: dict | None = None  # {part: bytes per device} (`floors`)
   jitted: Any = None  # an already jitted function (train.py's step), lowered as it is
 
+  def mesh(self):
+    """The mesh the arguments are placed on (None: unplaced)."""
+    for leaf in jax.tree.leaves(self.args):
+      placed = getattr(leaf, 'sharding', None)
+      if isinstance(placed, jax.sharding.NamedSharding):
+        return placed.mesh
+    return None
+
   def lower(self):
-    if self.jitted is not None:
-      return self.jitted.lower(*self.args)
-    return jax.jit(self.fn, static_argnums=self.static, donate_argnums=self.donate).lower(
-        *self.args)
+    with sharding.tracing_under(self.mesh()):
+      if self.jitted is not None:
+        return self.jitted.lower(*self.args)
+      return jax.jit(self.fn, static_argnums=self.static, donate_argnums=self.donate).lower(
+          *self.args)
 
   def abstract_output(self):
     static = {i: a for i, a in enumerate(self.args) if i in self.static}

@@ -310,6 +310,11 @@ def run(config: ml_collections.ConfigDict, on_step=None) -> dict:
   sharding.maybe_initialize_distributed(config.get('distributed', False))
   mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}
   mesh = sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'])
+  with sharding.tracing_under(mesh):
+    return _train(config, mesh, on_step)
+
+
+def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   sharding.check_batch(mesh, config.train.batch_size)
   chief = jax.process_index() == 0  # logs and progress from one process (Orbax saves from all)
   # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
