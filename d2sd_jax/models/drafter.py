@@ -184,7 +184,8 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
   logits of the head's N tokens only (training and denoising: no vocabulary-sized tensors;
   without a subset N = V).
 
-  ctx_mask: [B, S] or [B, Q, S] context slots each position may attend to;
+  ctx_mask: context slots each position may attend to: [B] lengths (the first ctx_mask[b]
+  slots, decoding's case), [B, S] or [B, Q, S] (`model.attention`);
   block_mask_BxQxQ: which block positions see each other (all-ones within a block: the
   denoising is bidirectional); or None with block_size=G: consecutive blocks of G positions,
   bidirectional within each, computed block by block (`model.attention`: no [Q, Q] mask, work
@@ -218,7 +219,7 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
 
 
 def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ, positions_BxQ,
-            ctx_cache, ctx_mask_BxS, steps: int = 1, order: str = 'confidence', forbid_BxQ=None,
+            ctx_cache, ctx_mask, steps: int = 1, order: str = 'confidence', forbid_BxQ=None,
             topk: int = 0):
   """Fills the masked positions of Q / gamma blocks per row (side by side, each bidirectional
   within itself, all seeing the same context) in `steps` denoising passes.
@@ -263,7 +264,7 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
     top_ids_out = jnp.broadcast_to(tokens_BxQ[..., None], (B, Q, topk)).astype(jnp.int32)
   for _ in range(steps):
     logits = forward(dparams, dcfg, tparams, tcfg, tokens, is_mask, positions_BxQ, ctx_cache,
-                     ctx_mask_BxS, None, head_only=True, block_size=G)  # [B, Q, N]
+                     ctx_mask, None, head_only=True, block_size=G)  # [B, Q, N]
     N = logits.shape[-1]
     if forbid_BxQ is not None:
       logits = jnp.where(jnp.arange(N) == forbid_BxQ[..., None], -jnp.inf, logits)

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from d2sd_jax.models import cached
 from d2sd_jax.models import splash
 
 Params = dict[str, Any]
@@ -283,8 +284,9 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
   """Attention of T new tokens over [cached context ; the new tokens], float32 [B, T, H·hd].
 
   Three forms, one law (tests/test_model.py checks them against each other):
-  - general: one softmax over the context slots `ctx_mask` allows ([B, S] or [B, T, S]) and the
-    new tokens `tree_mask_BxTxT` allows (a token tree, or causal);
+  - general: one softmax over the context slots `ctx_mask` allows and the new tokens
+    `tree_mask_BxTxT` allows (a token tree, or causal). ctx_mask is a bool mask [B, S] or
+    [B, T, S], or int lengths [B]: row b sees the first ctx_mask[b] slots (decoding's case);
   - block_size=G (tree_mask None): the new tokens are T/G independent blocks, bidirectional
     within each (the drafters' blocks side by side). Scores among new tokens are computed per
     block, [.., T/G, G, G], so memory and work grow as T·G instead of T² (training attends
@@ -295,11 +297,14 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     through `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs where it applies, XLA
     on CPUs).
 
-  The general and block forms read only a window of the cache: the first W slots, W the
-  smallest of `context_windows(S)` (256, 512, 1024, ... slots and S) that holds every slot a
-  row may attend to, chosen at run time by `lax.switch`. Slots past W are masked for every row,
-  so they only cost work: their probabilities are exact zeros, and a cache sized for a long
-  generation (S = 2048 with 400 slots used) no longer costs every step the whole capacity.
+  With prefix lengths, a program compiled for a TPU takes the general and block forms as one
+  Pallas kernel (`cached.attend`: flash attention over the cache blocks in use, then the new
+  tokens, scores kept in VMEM). Otherwise (CPU, GPU, bool masks) they read only a window of the
+  cache: the first W slots, W the smallest of `context_windows(S)` (256, 512, 1024, ... slots
+  and S) that holds every slot a row may attend to, chosen at run time by `lax.switch`. Slots
+  past W are masked for every row, so they only cost work: their probabilities are exact zeros,
+  and a cache sized for a long generation (S = 2048 with 400 slots used) no longer costs every
+  step the whole capacity.
   """
   if fresh:
     if tree_mask_BxTxT is not None or block_size:
@@ -309,8 +314,44 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
         q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
         tpu=splash.causal, default=_fresh_einsum)
     return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
-  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
   S = kv['k'].shape[2]
+  if ctx_mask.ndim == 1:  # a prefix length per row: decoding's attention
+    return jax.lax.platform_dependent(
+        q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree_mask_BxTxT,
+        tpu=functools.partial(_attend_kernel, block_size=block_size),
+        default=functools.partial(_attend_windows, block_size=block_size))
+  return _attend_windows(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
+                         tree_mask_BxTxT, block_size)
+
+
+def _attend_kernel(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
+                   tree_mask_BxTxT, block_size: int | None = None, interpret: bool = False):
+  """`attention` over a prefix of the cache as one Pallas kernel (models/cached.py): the TPU
+  form (interpret=True: through Pallas' interpreter, on any host)."""
+  B, T, H, hd = q_BxTxHxhd.shape
+  Hkv = k_new_BxHkvxTxhd.shape[1]
+  Hg = H // Hkv
+  if block_size:
+    if T % block_size:
+      raise ValueError(f'{T} new tokens are not a whole number of blocks of {block_size}')
+    block_T = jnp.arange(T) // block_size
+    tree_mask_BxTxT = jnp.broadcast_to(block_T[:, None] == block_T[None, :], (B, T, T))
+  # query rows per KV head ordered (Hg, T), as `_attend_window` orders them
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                  .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
+  bias_BxRxT = jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, cached.NEG)
+  out = cached.attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd,
+                      v_new_BxHkvxTxhd, bias_BxRxT, interpret=interpret)
+  return out.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+
+
+def _attend_windows(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
+                    tree_mask_BxTxT, block_size: int | None = None):
+  """`attention`'s XLA form: the smallest context window that holds every allowed slot."""
+  S = kv['k'].shape[2]
+  if ctx_mask.ndim == 1:
+    ctx_mask = jnp.arange(S)[None, :] < ctx_mask[:, None]
+  ctx_mask_BxTxS = ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None, :]
   windows = context_windows(S)
   attend = functools.partial(_attend_window, block_size=block_size)
   args = (q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask_BxTxS, tree_mask_BxTxT)
@@ -400,7 +441,8 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
           write_start_B=None, block_size: int | None = None, fresh: bool = False):
   """One transformer layer over T new tokens attending to [cached context ; each other].
 
-  ctx_mask: [B, S] (every new token sees the same context slots) or [B, T, S].
+  ctx_mask: [B] lengths (row b's new tokens see its first ctx_mask[b] slots), [B, S] (every
+  new token sees the same context slots) or [B, T, S] (`attention`).
   write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
   the drafters, whose block tokens are never cached).
   block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
@@ -459,17 +501,15 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
     (hidden_BxTxD after the final norm, updated cache, features_BxTxLfxD or None)
   """
   B, T = tokens_BxT.shape
-  S = cache[0]['k'].shape[2]
   if tree_mask_BxTxT is None and not fresh:
     tree_mask_BxTxT = causal_mask(B, T)
-  ctx_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
   x_BxTxD = params['embed'][tokens_BxT].astype(jnp.float32)
 
   # Layers are unrolled over lists of per-layer weights and caches: a `lax.scan` over stacked
   # weights makes XLA:CPU copy each layer's slice before its matmul.
   states, new_cache = [x_BxTxD], []
   for lp, kv in zip(params['layers'], cache):
-    x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, ctx_mask_BxS, tree_mask_BxTxT,
+    x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, cache_len_B, tree_mask_BxTxT,
                         write_start_B=cache_len_B, fresh=fresh)
     new_cache.append(kv)
     states.append(x_BxTxD)

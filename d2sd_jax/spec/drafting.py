@@ -115,13 +115,11 @@ def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
   (forbid: a token each position may not draft, -1 for none); with topk, also each position's
   topk likeliest tokens and their calibrated log-probs ([B, K, G, topk] each)."""
   B, K, G = tokens_BxKxG.shape
-  S = state.draft_caches[name][0]['k'].shape[2]
   positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), (B, K, G))
-  ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]
   out = drafter_lib.denoise(
       params[name], getattr(settings, name), params['target'], cfg,
       tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
-      positions.reshape(B, K * G), state.draft_caches[name], ctx_mask, settings.steps,
+      positions.reshape(B, K * G), state.draft_caches[name], state.cache_len_B, settings.steps,
       settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G),
       topk=topk)
   tokens, conf, probs = out[:3]

@@ -1,0 +1,143 @@
+"""Attention of new tokens over a cached prefix plus among themselves, as one Pallas TPU kernel.
+
+Decoding's attention (`target.attention` with a prefix length per row: the AR step, the tree
+verification, the drafters' blocks) sees, for row b, the first len[b] cache slots and those new
+tokens its mask allows (a token tree, or blocks). On a TPU the XLA form writes each layer's
+[query rows, cache slots] float32 scores to HBM and reads them back for the max, the sum and the
+value product, and its `lax.switch` over context windows is costed at the whole cache. This
+kernel streams the cache through VMEM block by block with an online softmax (flash attention):
+
+  grid (B, Hkv, cache blocks); for KV head h of row b, its R = Hg·T query rows (the Hg query
+  heads of h times the T new tokens, scaled by 1/sqrt(hd)):
+    blocks j with j·bk < len[b]: s = q k_j^T, slots >= len[b] masked, online softmax update;
+    blocks past len[b]: their index map repeats the last needed block (no DMA) and nothing
+      is computed, so a cache sized for a long generation costs only the slots in use;
+    the last step: s = q k_new^T + bias (0 where the new-token mask allows, else -max), one
+      more update, and the output acc / l.
+
+Scores never leave VMEM; the cache is read once per (row, KV head). The compiler is told the
+kernel's cost (`pl.CostEstimate`) for a full cache, the most it reads. `interpret=True` runs it on
+a CPU (tests/test_cached.py checks it against the XLA form).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MAX_BLOCK = 512  # cache slots per block at most
+NEG = float(jnp.finfo(jnp.float32).min)  # a masked score (as the XLA form's)
+
+
+def block_for(slots: int) -> int:
+  """Cache slots per block: the largest multiple of 16 (bfloat16's sublane tile) up to MAX_BLOCK
+  that divides the cache, else the whole cache as one block."""
+  for b in range(MAX_BLOCK, 15, -16):
+    if slots % b == 0:
+      return b
+  return slots
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc,
+            *, bk: int, n_blocks: int):
+  b, j = pl.program_id(0), pl.program_id(2)
+  length = len_ref[b]
+  f32 = jnp.float32
+  nt = (((1,), (1,)), ((), ()))  # q [R, hd] x k [n, hd] -> [R, n]
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, f32)
+    l_sc[...] = jnp.zeros(l_sc.shape, f32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, f32)
+
+  def update(s_Rxn, v_nxhd):
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s_Rxn, axis=1, keepdims=True))
+    p = jnp.exp(s_Rxn - m_new)
+    alpha = jnp.exp(m_prev - m_new)
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p, v_nxhd.astype(f32),
+                                                preferred_element_type=f32)
+    m_sc[...] = m_new
+
+  q = q_ref[0, 0]
+
+  @pl.when(j * bk < length)
+  def _context():
+    s = jax.lax.dot_general(q, k_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
+    slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    update(jnp.where(slot < length, s, NEG), v_ref[0, 0])
+
+  @pl.when(j == n_blocks - 1)
+  def _new_tokens():
+    s = jax.lax.dot_general(q, kn_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
+    update(s + bias_ref[0], vn_ref[0, 0])
+    o_ref[0, 0] = acc_sc[...] / l_sc[...]
+
+
+def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: bool):
+  B, Hkv, R, hd = q.shape
+  S, T = k_cache.shape[2], k_new.shape[2]
+  bk = block_for(S)
+  n_blocks = S // bk
+
+  def cache_block(b, h, j, len_ref):
+    last = jnp.maximum(pl.cdiv(len_ref[b], bk) - 1, 0)
+    return b, h, jnp.minimum(j, last), 0
+
+  whole = lambda b, h, j, len_ref: (b, h, 0, 0)
+  itemsize = k_cache.dtype.itemsize
+  cost = pl.CostEstimate(
+      flops=4 * B * Hkv * R * (S + T) * hd, transcendentals=B * Hkv * R * (S + T),
+      bytes_accessed=(2 * q.size * 4 + 2 * (k_cache.size + k_new.size) * itemsize +
+                      B * Hkv * bias[0].size * 4))
+  return pl.pallas_call(
+      functools.partial(_kernel, bk=bk, n_blocks=n_blocks),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, Hkv, n_blocks),
+          in_specs=[pl.BlockSpec((1, 1, R, hd), whole),
+                    pl.BlockSpec((1, 1, bk, hd), cache_block),
+                    pl.BlockSpec((1, 1, bk, hd), cache_block),
+                    pl.BlockSpec((1, 1, T, hd), whole),
+                    pl.BlockSpec((1, 1, T, hd), whole),
+                    pl.BlockSpec((1, R, T), lambda b, h, j, len_ref: (b, 0, 0))],
+          out_specs=pl.BlockSpec((1, 1, R, hd), whole),
+          scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
+                          pltpu.VMEM((R, hd), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((B, Hkv, R, hd), jnp.float32),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'parallel', 'arbitrary')),
+      cost_estimate=cost,
+      interpret=interpret,
+  )(len_B.astype(jnp.int32), q, k_cache, v_cache, k_new, v_new, bias)
+
+
+def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
+           interpret: bool = False):
+  """softmax over [the first len[b] cache slots ; the new tokens] of (q k^T + mask) v.
+
+  q [B, Hkv, R, hd] float32, already scaled, rows ordered (query head in group, new token);
+  k_cache, v_cache [B, Hkv, S, hd]; len_B [B] int; k_new, v_new [B, Hkv, T, hd]; bias [B, R, T]
+  float32: 0 where row r may see new token t, NEG where not (every row must see one: its own
+  token). Returns [B, Hkv, R, hd] float32.
+
+  Over a mesh (the program traced under it: `sharding.tracing_under`) the kernel runs per device
+  on its rows and KV heads (`shard_map`), as splash attention does."""
+  local = functools.partial(_attend_local, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.size > 1:
+    B, Hkv = q_BxHkvxRxhd.shape[:2]
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows = 'data' if B % size.get('data', B + 1) == 0 else None
+    heads = 'model' if Hkv % size.get('model', Hkv + 1) == 0 else None
+    P = jax.sharding.PartitionSpec
+    four = P(rows, heads, None, None)
+    local = jax.shard_map(local, mesh=mesh,
+                          in_specs=(four, four, four, P(rows), four, four, P(rows, None, None)),
+                          out_specs=four, check_vma=False)
+  return local(q_BxHkvxRxhd.astype(jnp.float32), k_cache, v_cache, len_B, k_new, v_new,
+               bias_BxRxT.astype(jnp.float32))
