@@ -11,10 +11,12 @@ Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 
   HumanEval in the chat template, HumanEval as plain completion, and a non-code chat set
   (benchmarks/prompts/prose.jsonl): tau, decode tokens/s, speed-up over AR in the same run,
   per-stage times. Every method's completions must equal AR's (lossless), or the run stops.
-- trees: the best-first trees at node budget TREE_BUDGET beside the chain and D²SD's own tree
-  (ar, pld, dflash, ddtree, d2sd, d2sd_tree), greedy, on HumanEval in the chat template and on
-  held-out code: plain completions of the held-out records of data/distill-packages (the split
-  training never sees; documented functions of installed packages). tau, the trees' own
+- trees: the best-first trees at node budget TREE_BUDGET beside the chain and D²SD's tree, both
+  its own (36 nodes) and cut to the same budget (ar, pld, dflash, ddtree, d2sd, d2sd(N=16),
+  d2sd_tree), greedy, on HumanEval in the chat template, on held-out code (plain completions of
+  the held-out records of data/distill-packages: the split training never sees; documented
+  functions of installed packages), on held-out questions (the held-out records of
+  data/distill-questions in the chat template) and on the prose chat set. tau, the trees' own
   expected tau (from their node scores), tokens/s, speed-up over AR in the same run; lossless.
 - scaling: gamma = 4 / 8 / 16 for prompt lookup (a diffusion drafter's gamma is fixed by its
   training: its gamma scaling needs one drafter trained per gamma, not done here), and d2sd at
@@ -51,9 +53,14 @@ from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 SECTIONS = ('ladder', 'trees', 'scaling', 'pareto', 'calibration')
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
-TREES = ('ar', 'pld', 'dflash', 'ddtree', 'd2sd', 'd2sd_tree')
-TREE_BUDGET = 16  # nodes verified per cycle by ddtree and d2sd_tree, the anchor included
+TREE_BUDGET = 16  # nodes verified per cycle by the budgeted rows, the anchor included
+# (row label, method, knobs): D²SD both with its own 36-node tree and cut to the same budget
+TREES = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
+         ('ddtree', 'ddtree', {'tree_budget': TREE_BUDGET}), ('d2sd', 'd2sd', {}),
+         (f'd2sd(N={TREE_BUDGET})', 'd2sd', {'tree_budget': TREE_BUDGET}),
+         ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}))
 HELD_OUT_CODE = os.path.join(ROOT, 'data', 'distill-packages')
+HELD_OUT_QUESTIONS = os.path.join(ROOT, 'data', 'distill-questions')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
 
 
@@ -120,23 +127,23 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'humaneval_plain': ([p['prompt'] for p in humaneval(n)], False),
           'prose_chat': (prose(n), True)}
-  return lossless_rows(dec, 'ladder', sets, LADDER, tokens,
-                       lambda method: {'stage_times': stage_times and method != 'ar'})
+  return lossless_rows(dec, 'ladder', sets, [
+      (m, m, {'stage_times': stage_times and m != 'ar'}) for m in LADDER], tokens)
 
 
-def lossless_rows(dec, section: str, sets: dict, methods, tokens: int, knobs) -> dict:
-  """Per prompt set, a row per method (the first is 'ar'), each decoded with knobs(method);
-  any output that differs from AR's stops the run."""
+def lossless_rows(dec, section: str, sets: dict, runs, tokens: int) -> dict:
+  """Per prompt set, a row per run (label, method, knobs), the first 'ar'; any output that
+  differs from AR's stops the run."""
   out = {}
   for name, (prompts, chat) in sets.items():
     rows, ar_ids, ar_ms = [], None, None
-    for method in methods:
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs(method))
+    for label, method, knobs in runs:
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs)
       if method == 'ar':
         ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
       elif g.ids != ar_ids:
-        raise SystemExit(f'{method} on {name} changed the output: not lossless')
-      rows.append(row_of(method, g.stats, ar_ms))
+        raise SystemExit(f'{label} on {name} changed the output: not lossless')
+      rows.append(row_of(label, g.stats, ar_ms))
       print(json.dumps({section: name, **rows[-1]}), flush=True)
     out[name] = rows
   return out
@@ -145,9 +152,11 @@ def lossless_rows(dec, section: str, sets: dict, methods, tokens: int, knobs) ->
 def trees(dec, n: int, tokens: int) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
-                                 False)}
-  return lossless_rows(dec, 'trees', sets, TREES, tokens, lambda method: (
-      {'tree_budget': TREE_BUDGET} if method in ('ddtree', 'd2sd_tree') else {}))
+                                 False),
+          'heldout_questions_chat': (spec_decode.held_out_record_prompts(HELD_OUT_QUESTIONS, n,
+                                                                         True), True),
+          'prose_chat': (prose(n), True)}
+  return lossless_rows(dec, 'trees', sets, TREES, tokens)
 
 
 def scaling(dec, n: int, tokens: int) -> dict:
@@ -259,15 +268,21 @@ HEADLINE = ('humaneval_chat', ('method', 'τ', 'tokens/s', 'speed-up vs AR'))
 
 
 def headline(out_dir: str) -> str:
-  """The README's one table: the ladder on HumanEval in the chat template, from reproduce.json."""
+  """The README's tables, from reproduce.json: the ladder on HumanEval in the chat template,
+  then the trees section's rows on the same prompts (its own AR row and speed-ups: another
+  run)."""
   with open(os.path.join(out_dir, 'reproduce.json')) as f:
     res = json.load(f)
   name, head = HEADLINE
-  lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '',
-           '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-  for r in res['ladder'][name]:
-    lines.append(f"| {r['method']} | {r['tau']} | {r['decode_tokens_per_s']} | "
-                 f"{r['speedup_vs_ar']} |")
+  row = lambda r: (f"| {r['method']} | {r['tau']} | {r['decode_tokens_per_s']} | "
+                   f"{r['speedup_vs_ar']} |")
+  table = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '', *table]
+  lines += [row(r) for r in res['ladder'][name]]
+  if name in res.get('trees', {}):
+    lines += ['', f'best-first trees at {TREE_BUDGET} nodes, {name} {_measured(res, "trees")}:',
+              '', *table]
+    lines += [row(r) for r in res['trees'][name]]
   return '\n'.join(lines)
 
 

@@ -99,12 +99,13 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   for rows in res['ladder'].values():
     assert [r['method'] for r in rows] == list(reproduce.LADDER)
     assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
-  assert set(res['trees']) == {'humaneval_chat', 'heldout_code_plain'}
+  assert set(res['trees']) == {'humaneval_chat', 'heldout_code_plain', 'heldout_questions_chat',
+                                'prose_chat'}
   for rows in res['trees'].values():
-    assert [r['method'] for r in rows] == list(reproduce.TREES)
-    for r in rows:
-      tree = r['method'] in ('ddtree', 'd2sd_tree')
-      assert (r['tree_size'] == reproduce.TREE_BUDGET) if tree else True
+    assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.TREES]
+    for r, (_, method, knobs) in zip(rows, reproduce.TREES):
+      tree = method in ('ddtree', 'd2sd_tree')
+      assert r['tree_size'] == reproduce.TREE_BUDGET if knobs else True
       assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
   assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
   assert [r['n_branches'] for r in res['scaling']['branches']] == [1, 2, 4]

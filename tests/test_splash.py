@@ -3,6 +3,8 @@
 einsum form; programs compiled for a TPU take it, programs for the CPU do not, and over a mesh it
 compiles split per device (shard_map) with no weight gathered."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,7 @@ def test_block_sizes():
 
 
 TINY = model_lib.ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                             head_dim=64, d_ff=512, dtype='bfloat16')
+                             head_dim=128, d_ff=512, dtype='bfloat16')  # (lane-dense heads)
 
 
 def _prefill_text(devices, tcfg, mesh_spec, compile_it: bool):
@@ -80,6 +82,15 @@ def test_splash_compiles_split_over_a_model_parallel_mesh():
   assert text.count('custom_call_target="tpu_custom_call"') == TINY.n_layers
   assert not row['collectives']['weight_gathers']
   # Each device runs the kernel on its own row and KV head: the kernel's output is the 2 query
-  # heads of that KV head over 256 padded tokens (unsplit it would be [4, 256, 64] per row)
+  # heads of that KV head over 256 padded tokens (unsplit it would be [4, 256, 128] per row)
   calls = [line for line in text.split('\n') if 'custom_call_target="tpu_custom_call"' in line]
-  assert all('[2,256,64]' in line.split(' custom-call(')[0] for line in calls), calls[0][:300]
+  assert all('[2,256,128]' in line.split(' custom-call(')[0] for line in calls), calls[0][:300]
+
+
+def test_narrow_heads_keep_the_xla_form_on_tpus():
+  """Heads of 64 (SmolLM2's) fill half of each kernel tile: TPU programs keep the XLA forms
+  for them (`target.lane_dense`), in the prefill and in a decode step."""
+  narrow = dataclasses.replace(TINY, head_dim=64)
+  text, _ = _prefill_text(tpu_devices('v5p:1x1x1'), narrow, 'data=1,model=1', compile_it=False)
+  assert 'tpu_custom_call' not in text
+  assert not model_lib.lane_dense(64) and model_lib.lane_dense(128) and model_lib.lane_dense(256)

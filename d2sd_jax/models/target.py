@@ -293,12 +293,13 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     anchors·γ block tokens at once);
   - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
     attention among the new tokens alone, instead of scores against all S empty slots: in a
-    program compiled for a TPU through Pallas splash attention (`splash.causal`), elsewhere
+    program compiled for a TPU through Pallas splash attention (`splash.causal`; heads of a
+    multiple of 128, `lane_dense`), elsewhere
     through `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs where it applies, XLA
     on CPUs).
 
-  With prefix lengths, a program compiled for a TPU takes the general and block forms as one
-  Pallas kernel (`cached.attend`: flash attention over the cache blocks in use, then the new
+  With prefix lengths and `lane_dense` heads, a program compiled for a TPU takes the general
+  and block forms as one Pallas kernel (`cached.attend`: flash attention over the cache blocks in use, then the new
   tokens, scores kept in VMEM). Otherwise (CPU, GPU, bool masks) they read only a window of the
   cache: the first W slots, W the smallest of `context_windows(S)` (256, 512, 1024, ... slots
   and S) that holds every slot a row may attend to, chosen at run time by `lax.switch`. Slots
@@ -310,18 +311,25 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
     if tree_mask_BxTxT is not None or block_size:
       raise ValueError('fresh attention is causal: give neither tree_mask nor block_size')
     B, T, H, hd = q_BxTxHxhd.shape
-    out_BxTxHxhd = jax.lax.platform_dependent(
-        q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
-        tpu=splash.causal, default=_fresh_einsum)
+    args = (q_BxTxHxhd.astype(kv['k'].dtype), k_new_BxHkvxTxhd, v_new_BxHkvxTxhd)
+    out_BxTxHxhd = (jax.lax.platform_dependent(*args, tpu=splash.causal, default=_fresh_einsum)
+                    if lane_dense(hd) else _fresh_einsum(*args))
     return out_BxTxHxhd.reshape(B, T, H * hd).astype(jnp.float32)
-  S = kv['k'].shape[2]
-  if ctx_mask.ndim == 1:  # a prefix length per row: decoding's attention
+  if ctx_mask.ndim == 1 and lane_dense(q_BxTxHxhd.shape[-1]):  # prefix lengths: decoding
     return jax.lax.platform_dependent(
         q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree_mask_BxTxT,
         tpu=functools.partial(_attend_kernel, block_size=block_size),
         default=functools.partial(_attend_windows, block_size=block_size))
   return _attend_windows(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
                          tree_mask_BxTxT, block_size)
+
+
+def lane_dense(head_dim: int) -> bool:
+  """Whether TPU programs take the Pallas attention kernels (splash, cached) for this head
+  size: a multiple of the TPU's 128 lanes. Narrower heads (SmolLM2's 64) fill half of every
+  kernel tile and of the cache blocks it streams, and the XLA forms read less there (the
+  compiler's figures: benchmarks/tpu_compile.py)."""
+  return head_dim % 128 == 0
 
 
 def _attend_kernel(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
