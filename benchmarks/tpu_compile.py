@@ -10,9 +10,10 @@ topology from this host (libtpu's compile-only devices, no TPU), with what the c
 --target: a costmodel.TARGETS name (qwen3-8b, llama-3.1-8b), smollm2, or a Hugging Face folder
 (its config.json); --dtype its weights' dtype (bfloat16). --drafters: paper (DFlash's 5-layer
 drafters for the target, gamma 16, K = 4) or drafter folders DRAFTER1[,DRAFTER2] (their configs
-only). --methods: ar, pld and the drafter methods (drafting.REGISTRY). --mesh data=D,model=M over
-the topology's devices (default data=1,model=-1: every device on the model axis); the training
-step uses its config's mesh, as train.py does.
+only). --methods: ar, pld and the drafter methods (drafting.REGISTRY; the best-first trees
+ddtree and d2sd_tree at compiled.TREE_BUDGET = 16 nodes, as reproduce.py measures them).
+--mesh data=D,model=M over the topology's devices (default data=1,model=-1: every device on the
+model axis); the training step uses its config's mesh, as train.py does.
 
 Per method it compiles the prefill (the prompt block of --context tokens), the step (one AR step
 or one speculative cycle, on the state the prefill hands over, donated as in the loop) and the
@@ -205,21 +206,27 @@ def markdown() -> str:
   with open(os.path.join(ROOT, 'results', 'reproduce.json')) as f:
     rep = json.load(f)
   taus = {r['method']: r['tau'] for r in rep['ladder']['humaneval_chat']}
+  # the best-first trees at their budget (C.TREE_BUDGET nodes, as compiled) from the trees run
+  taus.update({r['method']: r['tau'] for r in rep.get('trees', {}).get('humaneval_chat', [])
+               if r['method'] in ('ddtree', 'd2sd_tree')})
   run = rep['runs']['ladder']
   rows = []
   for result in kept.values():
     if result['target'] != 'smollm2':
       continue
     est = C.step_estimates(result)
-    for method in ('pld', 'dflash', 'd2sd'):
+    for method in ('pld', 'dflash', 'd2sd', 'ddtree', 'd2sd_tree'):
       if method in est and 'ar' in est and method in taus:
         rows.append(f"| {result['chip']} | {method} | {taus[method]:.2f} | "
                     f"{est[method] / est['ar']:.2f} AR | "
                     f"{taus[method] * est['ar'] / est[method]:.2f}× |")
   if rows:
+    trees = rep['runs'].get('trees')
     out += ['**The shipped SmolLM2 drafters** (gamma 8, K = 4; tau on HumanEval in the chat '
-            f"template from results/reproduce.json: {run['date']}, `{run['command']}`), with "
-            "the TPU compiler's cycle estimates above (context 256)", '',
+            f"template from results/reproduce.json: {run['date']}, `{run['command']}`"
+            + (f"; ddtree and d2sd_tree at {C.TREE_BUDGET} nodes: {trees['date']}, "
+               f"`{trees['command']}`" if trees else '') +
+            "), with the TPU compiler's cycle estimates above (context 256)", '',
             '| chip | method | tau | cycle | predicted speed-up |', '|---|---|---|---|---|'] + rows
   return '\n'.join(out).rstrip() + '\n'
 

@@ -200,3 +200,14 @@ def test_training_micro_batches_split_over_the_data_axis():
                                C.chip_of(devices), mesh.size)
     flops[data] = row['flops_per_device']
   assert flops[2] == pytest.approx(flops[1] / 2, rel=0.1), flops
+
+
+def test_budgeted_trees_compile_at_the_measured_budget():
+  """The compiled ddtree / d2sd_tree cycles verify compiled.TREE_BUDGET nodes, the budget
+  reproduce.py measures their tau at (the docs' predicted speed-ups pair the two); the other
+  methods keep their own trees."""
+  gen = C.generation_settings(16)
+  dcfgs = {'drafter1': LEAN_DRAFTER, 'drafter2': LEAN_DRAFTER}
+  for method in ('ddtree', 'd2sd_tree'):
+    assert C.spec_settings(method, gen, dcfgs).tree_size == C.TREE_BUDGET == 16
+  assert C.spec_settings('d2sd', gen, dcfgs).tree_size == 8 + 4 * 7  # chain + K branches

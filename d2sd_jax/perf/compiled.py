@@ -238,13 +238,18 @@ def generation_settings(max_new_tokens: int) -> ar.GenerationSettings:
   return ar.GenerationSettings(max_new_tokens=max_new_tokens, eos_ids=(2,), pad_id=0)
 
 
-def spec_settings(method: str, gen, dcfgs: dict, gamma: int = 16, n_branches: int = 4):
+TREE_BUDGET = 16  # nodes per cycle of the budgeted trees (ddtree, d2sd_tree), as reproduce.py
+
+
+def spec_settings(method: str, gen, dcfgs: dict, gamma: int = 16, n_branches: int = 4,
+                  tree_budget: int = TREE_BUDGET):
   """The method's settings: the drafters' gamma (prompt lookup too, when there are drafters),
-  K = n_branches."""
+  K = n_branches, and for the budgeted trees `tree_budget` nodes (at least gamma)."""
   fields = {name: dcfgs[name] for name in drafting.get(method).drafters}
   gamma = next(iter(dcfgs.values())).gamma if dcfgs else gamma
+  budget = max(tree_budget, gamma) if drafting.get(method).budgeted else 0
   return SP.SpecSettings(gen, method=method, gamma=gamma,
-                         n_branches=min(n_branches, gamma - 1), **fields)
+                         n_branches=min(n_branches, gamma - 1), tree_budget=budget, **fields)
 
 
 def decode_programs(tcfg, dcfgs: dict, methods, mesh, batch: int = 1, context: int = 1024,
