@@ -13,6 +13,9 @@ from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from test_tpu_compile import LEAN, LEAN_DRAFTER, tpu_devices
 
+# pylint: disable=protected-access
+kernel_form, xla_form = model_lib._attend_kernel, model_lib._attend_windows
+
 # S = 1040 slots: blocks of 208, five of them. Lengths: mid-block, none, all, exactly one block
 # (a kernel that also reads slot `length`, or skips the block holding the last slot, or stops
 # one block early, differs), and one slot.
@@ -38,19 +41,19 @@ def test_kernel_equals_the_xla_form_on_token_trees(H, Hkv, dtype):
   T = 7
   q, k_new, v_new, kv, lens, key = _inputs(T, H, Hkv, dtype, seed=H)
   tree = jax.random.bernoulli(key, 0.5, (len(LENGTHS), T, T)) | jnp.eye(T, dtype=bool)
-  got = model_lib._attend_kernel(q, k_new, v_new, kv, lens, tree, interpret=True)  # pylint: disable=protected-access
-  want = model_lib._attend_windows(q, k_new, v_new, kv, lens, tree)  # pylint: disable=protected-access
+  got = kernel_form(q, k_new, v_new, kv, lens, tree, interpret=True)
+  want = xla_form(q, k_new, v_new, kv, lens, tree)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
   # the row with no context sees only new tokens: a kernel ignoring the tree mask differs there
-  only_new = model_lib._attend_windows(q, k_new, v_new, kv, lens, jnp.ones_like(tree))  # pylint: disable=protected-access
+  only_new = xla_form(q, k_new, v_new, kv, lens, jnp.ones_like(tree))
   assert float(jnp.max(jnp.abs(only_new[1] - want[1]))) > 1e-2
 
 
 def test_kernel_equals_the_xla_form_on_drafter_blocks():
   """Three bidirectional blocks of 4 side by side (drafter 2's re-drafts), grouped heads."""
   q, k_new, v_new, kv, lens, _ = _inputs(12, 4, 2, 'float32', seed=3)
-  got = model_lib._attend_kernel(q, k_new, v_new, kv, lens, None, block_size=4, interpret=True)  # pylint: disable=protected-access
-  want = model_lib._attend_windows(q, k_new, v_new, kv, lens, None, block_size=4)  # pylint: disable=protected-access
+  got = kernel_form(q, k_new, v_new, kv, lens, None, block_size=4, interpret=True)
+  want = xla_form(q, k_new, v_new, kv, lens, None, block_size=4)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -72,7 +75,8 @@ def _cycle(devices, mesh_spec, method='dflash'):
   prefill, step = C.decode_programs(LEAN, {'drafter1': LEAN_DRAFTER}, [method], mesh, batch=1,
                                     context=64, max_new_tokens=32, loops=False)
   prefill_row, compiled = C.compile_program(prefill, C.chip_of(devices), mesh.size)
-  step.args = step.args[:3] + (C._placed(prefill.abstract_output(), compiled.output_shardings),)  # pylint: disable=protected-access
+  state = C._placed(prefill.abstract_output(), compiled.output_shardings)
+  step.args = step.args[:3] + (state,)
   return C.compile_program(step, C.chip_of(devices), mesh.size)
 
 

@@ -294,18 +294,17 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
   - fresh=True (tree_mask None): nothing is cached yet (prefill, teacher features): causal
     attention among the new tokens alone, instead of scores against all S empty slots: in a
     program compiled for a TPU through Pallas splash attention (`splash.causal`; heads of a
-    multiple of 128, `lane_dense`), elsewhere
-    through `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPUs where it applies, XLA
-    on CPUs).
+    multiple of 128, `lane_dense`), elsewhere through `jax.nn.dot_product_attention` (cuDNN's
+    fused kernel on GPUs where it applies, XLA on CPUs).
 
   With prefix lengths and `lane_dense` heads, a program compiled for a TPU takes the general
-  and block forms as one Pallas kernel (`cached.attend`: flash attention over the cache blocks in use, then the new
-  tokens, scores kept in VMEM). Otherwise (CPU, GPU, bool masks) they read only a window of the
-  cache: the first W slots, W the smallest of `context_windows(S)` (256, 512, 1024, ... slots
-  and S) that holds every slot a row may attend to, chosen at run time by `lax.switch`. Slots
-  past W are masked for every row, so they only cost work: their probabilities are exact zeros,
-  and a cache sized for a long generation (S = 2048 with 400 slots used) no longer costs every
-  step the whole capacity.
+  and block forms as one Pallas kernel (`cached.attend`: flash attention over the cache blocks
+  in use, then the new tokens, scores kept in VMEM). Otherwise (CPU, GPU, bool masks) they read
+  only a window of the cache: the first W slots, W the smallest of `context_windows(S)` (256,
+  512, 1024, ... slots and S) that holds every slot a row may attend to, chosen at run time by
+  `lax.switch`. Slots past W are masked for every row, so they only cost work: their
+  probabilities are exact zeros, and a cache sized for a long generation (S = 2048 with 400
+  slots used) no longer costs every step the whole capacity.
   """
   if fresh:
     if tree_mask_BxTxT is not None or block_size:
