@@ -62,7 +62,8 @@ flags.DEFINE_string('json', None, 'write the figures to this JSON file')
 flags.DEFINE_bool('record', False, f'also keep them in {os.path.relpath(RECORD, ROOT)}')
 flags.DEFINE_bool('markdown', False, f'print the tables of {os.path.relpath(RECORD, ROOT)} (no '
                   'compiling) with the roofline and the published figures beside them')
-flags.DEFINE_bool('write', False, 'with --markdown: put them into docs/scale-out.md')
+flags.DEFINE_bool('write', False, 'with --markdown: put them into docs/scale-out.md (the '
+                  'speed-up tables also into README.md)')
 config_flags.DEFINE_config_file('train', None, "a train.py config: compile one training step "
                                 '(overrides as --train.x=y)', lock_config=True)
 
@@ -118,6 +119,7 @@ VLLM_TPU_DFLASH = ('vLLM tpu-inference DFlash port (UCSD), TPU v5p, Qwen3-4B + '
                    'tpu-dflash (3.13x average, tau 5.42, in github.com/ConstBob/tpu-spec-decode)')
 BEGIN, END = '<!-- tpu_compile.py --markdown: begin -->', '<!-- tpu_compile.py --markdown: end -->'
 DOC = os.path.join(ROOT, 'docs', 'scale-out.md')
+README = os.path.join(ROOT, 'README.md')
 
 
 def _program_table(result: dict) -> list[str]:
@@ -156,13 +158,20 @@ def _program_table(result: dict) -> list[str]:
 def markdown() -> str:
   """docs/scale-out.md's compiled section, from results/tpu_compile.json (and, for the shipped
   drafters' speed-ups, results/reproduce.json's tau), with the roofline of costmodel.predict."""
-  from d2sd_jax.perf import throughput  # pylint: disable=import-outside-toplevel
-  from d2sd_jax.spec import ar, speculative as SP  # pylint: disable=import-outside-toplevel
   with open(RECORD) as f:
     kept = json.load(f)
   out = []
   for result in kept.values():
     out += _program_table(result) + ['']
+  return '\n'.join(out) + accelerator_tables(kept)
+
+
+def accelerator_tables(kept: dict) -> str:
+  """The predicted speed-ups (the README's accelerator table and the shipped drafters'), from
+  the kept records, the roofline and the published figures."""
+  from d2sd_jax.perf import throughput  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec import ar, speculative as SP  # pylint: disable=import-outside-toplevel
+  out = []
   # The accelerator table: Qwen3-8B with the paper's drafters at the paper's tau.
   out += ["**Qwen3-8B, the paper's drafters (gamma 16, K = 4), batch 1, 1,024 cached tokens, at "
           "the paper's tau (dflash 5.31, d2sd 7.05)**", '',
@@ -231,15 +240,23 @@ def markdown() -> str:
   return '\n'.join(out).rstrip() + '\n'
 
 
-def write_markdown(text: str) -> None:
-  with open(DOC) as f:
+def write_markdown(text: str, path: str = None) -> None:
+  """Puts `text` between the markers of `path` (docs/scale-out.md)."""
+  path = path or DOC
+  with open(path) as f:
     doc = f.read()
   if BEGIN not in doc or END not in doc:
-    raise ValueError(f'{DOC} lacks the markers {BEGIN} ... {END}: add them where the tables go')
+    raise ValueError(f'{path} lacks the markers {BEGIN} ... {END}: add them where the tables go')
   head, rest = doc.split(BEGIN, 1)
   _, tail = rest.split(END, 1)
-  with open(DOC, 'w') as f:
+  with open(path, 'w') as f:
     f.write(head + BEGIN + '\n' + text + END + tail)
+
+
+def readme_tables() -> str:
+  """The README's accelerator block: the speed-up tables of `markdown`."""
+  with open(RECORD) as f:
+    return accelerator_tables(json.load(f)).lstrip('\n')
 
 
 def run() -> dict:
@@ -291,6 +308,7 @@ def main(argv):
     print(text)
     if FLAGS.write:
       write_markdown(text)
+      write_markdown(readme_tables(), README)
     return
   result = run()
   print(table(result))
