@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from d2sd_jax.models import sharding
+
 MAX_BLOCK = 512  # cache slots per block at most
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score (as the XLA form's)
 
@@ -128,12 +130,9 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
   Over a mesh (the program traced under it: `sharding.tracing_under`) the kernel runs per device
   on its rows and KV heads (`shard_map`), as splash attention does."""
   local = functools.partial(_attend_local, interpret=interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:
-    B, Hkv = q_BxHkvxRxhd.shape[:2]
-    size = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    rows = 'data' if B % size.get('data', B + 1) == 0 else None
-    heads = 'model' if Hkv % size.get('model', Hkv + 1) == 0 else None
+  split = sharding.kernel_axes(*q_BxHkvxRxhd.shape[:2])
+  if split:
+    mesh, rows, heads = split
     P = jax.sharding.PartitionSpec
     four = P(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh,

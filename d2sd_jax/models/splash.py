@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+from d2sd_jax.models import sharding
+
 BLOCK = 128  # the sequence tile's unit: splash needs block sizes that are multiples of 128
 MAX_BLOCK = 512  # the largest tile tried (VMEM: a [512, 512] float32 tile is 1 MiB)
 
@@ -69,12 +71,10 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
               pad)
   k, v = jnp.pad(k_BxHkvxTxhd, pad), jnp.pad(v_BxHkvxTxhd.astype(dtype), pad)
   local = functools.partial(_causal_local, interpret=interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:
+  split = sharding.kernel_axes(B, Hkv)
+  if split:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
-    size = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    rows = 'data' if B % size.get('data', B + 1) == 0 else None
-    heads = 'model' if Hkv % size.get('model', Hkv + 1) == 0 else None
+    mesh, rows, heads = split
     spec = jax.sharding.PartitionSpec(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                           check_vma=False)
