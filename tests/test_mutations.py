@@ -92,10 +92,15 @@ MUTATIONS = {
     # Every row drafts after the longest row's context (positions and visible context slots).
     "drafting from the longest row's context": (
         drafting, 'positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), '
-        '(B, K, G))\n  ctx_mask = jnp.arange(S)[None] < state.cache_len_B[:, None]',
+        '(B, K, G))\n  out = drafter_lib.denoise(\n      params[name], getattr(settings, name), '
+        "params['target'], cfg,\n      tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, "
+        'K * G),\n      positions.reshape(B, K * G), state.draft_caches[name], state.cache_len_B,',
         'longest_B = jnp.broadcast_to(jnp.max(state.cache_len_B), state.cache_len_B.shape)\n'
         '  positions = jnp.broadcast_to(longest_B[:, None, None] + jnp.arange(G), (B, K, G))\n'
-        '  ctx_mask = jnp.arange(S)[None] < longest_B[:, None]', 'rows_alone'),
+        '  out = drafter_lib.denoise(\n      params[name], getattr(settings, name), '
+        "params['target'], cfg,\n      tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, "
+        'K * G),\n      positions.reshape(B, K * G), state.draft_caches[name], longest_B,',
+        'rows_alone'),
     'sample-and-match descends into a duplicate sibling': (
         tree_lib, 'match = reachable(tree) & (tree.tokens_BxT == y_at_parent)',
         'match = tree.valid_BxT & (tree.tokens_BxT == y_at_parent)', 'duplicate_law'),

@@ -67,10 +67,14 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
 
 
 def tracing_under(mesh: Mesh | None):
-  """The context to trace and run programs over `mesh` in: `jax.set_mesh(mesh)`, so a kernel
-  XLA cannot partition (models/splash.py's custom call) splits itself over the mesh's axes
-  instead of failing to compile; a no-op without a mesh."""
-  return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  """The context to trace and run programs over `mesh` in: its abstract mesh
+  (`jax.sharding.use_abstract_mesh`), so a kernel XLA cannot partition (the TPU attention
+  kernels, `kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
+  no-op without a mesh. (`jax.set_mesh` would also make programs compiled ahead of time from
+  unplaced shapes expect replicated arguments: scripts/distill.py's generator then refused its
+  head-split caches.)"""
+  return (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else
+          contextlib.nullcontext())
 
 
 def kernel_axes(batch: int, kv_heads: int):

@@ -18,7 +18,7 @@ CPU through Pallas' interpreter (tests/test_splash.py checks it against the eins
 Over a mesh the kernel, a custom call XLA cannot partition, runs per device on its own rows and
 heads (`shard_map`: rows over 'data', KV heads over 'model', as `sharding.RULES` split them; a
 dimension the axis does not divide stays whole), so programs over a mesh are traced under it
-(`sharding.tracing_under`, i.e. `jax.set_mesh`).
+(`sharding.tracing_under`: its abstract mesh).
 """
 from __future__ import annotations
 
