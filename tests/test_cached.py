@@ -14,7 +14,7 @@ from d2sd_jax.perf import compiled as C
 from test_tpu_compile import LEAN, LEAN_DRAFTER, tpu_devices
 
 # pylint: disable=protected-access
-kernel_form, xla_form = model_lib._attend_kernel, model_lib._attend_windows
+kernel_form, xla_form = cached.attention, model_lib._attend_windows
 
 # S = 1040 slots: blocks of 208, five of them. Lengths: mid-block, none, all, exactly one block
 # (a kernel that also reads slot `length`, or skips the block holding the last slot, or stops

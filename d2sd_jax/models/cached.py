@@ -140,3 +140,24 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
                           out_specs=four, check_vma=False)
   return local(q_BxHkvxRxhd.astype(jnp.float32), k_cache, v_cache, len_B, k_new, v_new,
                bias_BxRxT.astype(jnp.float32))
+
+
+def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B, tree_mask_BxTxT,
+              block_size: int | None = None, interpret: bool = False):
+  """`target.attention`'s general and block forms over a cache prefix through `attend`: the
+  TPU form, same arguments and result ([B, T, H·hd] float32)."""
+  B, T, H, hd = q_BxTxHxhd.shape
+  Hkv = k_new_BxHkvxTxhd.shape[1]
+  Hg = H // Hkv
+  if block_size:
+    if T % block_size:
+      raise ValueError(f'{T} new tokens are not a whole number of blocks of {block_size}')
+    block_T = jnp.arange(T) // block_size
+    tree_mask_BxTxT = jnp.broadcast_to(block_T[:, None] == block_T[None, :], (B, T, T))
+  # query rows per KV head ordered (Hg, T), as target._attend_window orders them
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                  .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
+  bias_BxRxT = jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, NEG)
+  out = attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
+               bias_BxRxT, interpret=interpret)
+  return out.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)

@@ -317,7 +317,7 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
   if ctx_mask.ndim == 1 and lane_dense(q_BxTxHxhd.shape[-1]):  # prefix lengths: decoding
     return jax.lax.platform_dependent(
         q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree_mask_BxTxT,
-        tpu=functools.partial(_attend_kernel, block_size=block_size),
+        tpu=functools.partial(cached.attention, block_size=block_size),
         default=functools.partial(_attend_windows, block_size=block_size))
   return _attend_windows(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
                          tree_mask_BxTxT, block_size)
@@ -329,27 +329,6 @@ def lane_dense(head_dim: int) -> bool:
   kernel tile and of the cache blocks it streams, and the XLA forms read less there (the
   compiler's figures: benchmarks/tpu_compile.py)."""
   return head_dim % 128 == 0
-
-
-def _attend_kernel(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
-                   tree_mask_BxTxT, block_size: int | None = None, interpret: bool = False):
-  """`attention` over a prefix of the cache as one Pallas kernel (models/cached.py): the TPU
-  form (interpret=True: through Pallas' interpreter, on any host)."""
-  B, T, H, hd = q_BxTxHxhd.shape
-  Hkv = k_new_BxHkvxTxhd.shape[1]
-  Hg = H // Hkv
-  if block_size:
-    if T % block_size:
-      raise ValueError(f'{T} new tokens are not a whole number of blocks of {block_size}')
-    block_T = jnp.arange(T) // block_size
-    tree_mask_BxTxT = jnp.broadcast_to(block_T[:, None] == block_T[None, :], (B, T, T))
-  # query rows per KV head ordered (Hg, T), as `_attend_window` orders them
-  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
-                  .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
-  bias_BxRxT = jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, cached.NEG)
-  out = cached.attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd,
-                      v_new_BxHkvxTxhd, bias_BxRxT, interpret=interpret)
-  return out.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
 
 
 def _attend_windows(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
