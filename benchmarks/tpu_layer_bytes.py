@@ -7,15 +7,16 @@ compiler's cost analysis) against the weights it must read.
 
 T new tokens (1: an AR step; 76: the d2sd cycle's verified tree with the paper's gamma 16 and
 K = 4; 16 / 64: the drafters' blocks) over a cache of --cache slots holding --context tokens,
-with the decode programs' compiler options (models/xla_options.py). Parts:
-  layer      target.layer: everything below, and the residual stream
-  qkv        the attention norm, the q/k/v projection, q/k norms and RoPE
-  attention  target.attention over the cache prefix (on a TPU the Pallas kernel, models/cached.py)
+with the decode programs' compiler options (models/xla_options.py). Parts, each in the form a
+TPU program takes (`target.layer`: the Pallas kernels where `fused.fits`):
+  layer      target.layer: everything below, the output projection and the residual stream
+  qkv        the attention norm, the q/k/v projection, q/k norms and RoPE (fused.qkv)
+  attention  attention over the cache prefix (cached.attend_rows)
   cache      the new tokens' K/V written into the cache (target.write_rows, in place)
-  mlp        the MLP norm, gate/up, SiLU x up, down and the residual add
+  mlp        the MLP norm, gate/up, SiLU x up, down and the residual add (fused.mlp)
 For each: bytes accessed, the weights (and, for attention, the KV of the context) it must read,
-and the excess, which is the float32 activations' traffic (target.py's Precision note says why
-they stay float32).
+and the excess: float32 activations of the T rows, read and written between the parts, and the
+attention kernel costed at the whole cache (docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
+from d2sd_jax.models import cached  # pylint: disable=wrong-import-position
+from d2sd_jax.models import fused  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
 
@@ -61,15 +64,23 @@ def parts(cfg, T: int, context: int):
     return M.layer(cfg, x_, lp_, kv_, pos_, clen_, tree, write_start_B=clen_)
 
   def qkv(w, x_, pos_):
-    return M.qkv_projection(cfg, w, M.rms_norm(x_, w['attn_norm'], cfg.norm_eps), pos_)
+    if not fused.fits(T, hd, cfg.d_ff):
+      return M.qkv_projection(cfg, w, M.rms_norm(x_, w['attn_norm'], cfg.norm_eps), pos_)
+    return fused.qkv(x_, w, pos_, eps=cfg.norm_eps, rope_base=cfg.rope_base,
+                     rope_freq_factors=cfg.rope_freq_factors, cache_dtype=kv['k'].dtype)
 
   def attention(q, k_new, v_new, kv_, clen_):
-    return M.attention(q, k_new, v_new, kv_, clen_, tree)
+    if not fused.fits(T, hd, cfg.d_ff):
+      return M.attention(q, k_new, v_new, kv_, clen_, tree)
+    q = q.reshape(1, T, Hkv, H // Hkv, hd).transpose(0, 2, 3, 1, 4).reshape(1, Hkv, -1, hd)
+    return cached.attend_rows(q, k_new, v_new, kv_, clen_, tree, out_dtype=lp['wo'].dtype)
 
   def cache(kv_, k_new, clen_):
     return M.write_rows(kv_['k'], k_new, clen_)
 
   def mlp(w, x_):
+    if fused.fits(T, hd, cfg.d_ff):
+      return fused.mlp(x_, w, eps=cfg.norm_eps)
     h = M.rms_norm(x_, w['mlp_norm'], cfg.norm_eps)
     gu = M.linear(h, M.as_matrix(w, 'w_gate_up')).reshape(1, T, 2, -1)
     return x_ + M.linear(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], w['w_down'])

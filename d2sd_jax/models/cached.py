@@ -44,7 +44,7 @@ def block_for(slots: int) -> int:
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc,
-            *, bk: int, n_blocks: int):
+            *, bk: int, n_blocks: int, T: int):
   b, j = pl.program_id(0), pl.program_id(2)
   length = len_ref[b]
   f32 = jnp.float32
@@ -78,10 +78,13 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc,
   def _new_tokens():
     s = jax.lax.dot_general(q, kn_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
     update(s + bias_ref[0], vn_ref[0, 0])
-    o_ref[0, 0] = acc_sc[...] / l_sc[...]
+    out_Rxhd = acc_sc[...] / l_sc[...]
+    hd = out_Rxhd.shape[-1]
+    for g in range(out_Rxhd.shape[0] // T):  # query head g of the group: lanes g·hd.. of [T, Hg·hd]
+      o_ref[0, :, g * hd:(g + 1) * hd] = out_Rxhd[g * T:(g + 1) * T].astype(o_ref.dtype)
 
 
-def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: bool):
+def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: bool, out_dtype):
   B, Hkv, R, hd = q.shape
   S, T = k_cache.shape[2], k_new.shape[2]
   bk = block_for(S)
@@ -95,10 +98,13 @@ def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: boo
   itemsize = k_cache.dtype.itemsize
   cost = pl.CostEstimate(
       flops=4 * B * Hkv * R * (S + T) * hd, transcendentals=B * Hkv * R * (S + T),
-      bytes_accessed=(2 * q.size * 4 + 2 * (k_cache.size + k_new.size) * itemsize +
-                      B * Hkv * bias[0].size * 4))
+      # q in, the output, the cache (at most all of it) and the new K/V, the bias once per row
+      # and core (its block repeats along the KV heads)
+      bytes_accessed=(q.size * (4 + jnp.dtype(out_dtype).itemsize)
+                      + 2 * (k_cache.size + k_new.size) * itemsize
+                      + B * min(Hkv, 2) * bias[0].size * 4))
   return pl.pallas_call(
-      functools.partial(_kernel, bk=bk, n_blocks=n_blocks),
+      functools.partial(_kernel, bk=bk, n_blocks=n_blocks, T=T),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B, Hkv, n_blocks),
           in_specs=[pl.BlockSpec((1, 1, R, hd), whole),
@@ -107,10 +113,10 @@ def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: boo
                     pl.BlockSpec((1, 1, T, hd), whole),
                     pl.BlockSpec((1, 1, T, hd), whole),
                     pl.BlockSpec((1, R, T), lambda b, h, j, len_ref: (b, 0, 0))],
-          out_specs=pl.BlockSpec((1, 1, R, hd), whole),
+          out_specs=pl.BlockSpec((1, T, R // T * hd), lambda b, h, j, len_ref: (b, 0, h)),
           scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
                           pltpu.VMEM((R, hd), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct((B, Hkv, R, hd), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((B, T, Hkv * R // T * hd), out_dtype),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'arbitrary')),
       cost_estimate=cost,
@@ -119,17 +125,19 @@ def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: boo
 
 
 def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
-           interpret: bool = False):
+           interpret: bool = False, out_dtype=jnp.float32):
   """softmax over [the first len[b] cache slots ; the new tokens] of (q k^T + mask) v.
 
   q [B, Hkv, R, hd] float32, already scaled, rows ordered (query head in group, new token);
   k_cache, v_cache [B, Hkv, S, hd]; len_B [B] int; k_new, v_new [B, Hkv, T, hd]; bias [B, R, T]
   float32: 0 where row r may see new token t, NEG where not (every row must see one: its own
-  token). Returns [B, Hkv, R, hd] float32.
+  token). Returns [B, T, Hkv·Hg·hd] in `out_dtype` (heads ordered as q's, each token's row as
+  the output projection reads it; float32 unless the projection's weights are narrower, whose
+  default-precision TPU matmul rounds its input to them anyway).
 
   Over a mesh (the program traced under it: `sharding.tracing_under`) the kernel runs per device
   on its rows and KV heads (`shard_map`), as splash attention does."""
-  local = functools.partial(_attend_local, interpret=interpret)
+  local = functools.partial(_attend_local, interpret=interpret, out_dtype=out_dtype)
   split = sharding.kernel_axes(*q_BxHkvxRxhd.shape[:2])
   if split:
     mesh, rows, heads = split
@@ -137,7 +145,7 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
     four = P(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh,
                           in_specs=(four, four, four, P(rows), four, four, P(rows, None, None)),
-                          out_specs=four, check_vma=False)
+                          out_specs=P(rows, None, heads), check_vma=False)
   return local(q_BxHkvxRxhd.astype(jnp.float32), k_cache, v_cache, len_B, k_new, v_new,
                bias_BxRxT.astype(jnp.float32))
 
@@ -149,15 +157,26 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B, tre
   B, T, H, hd = q_BxTxHxhd.shape
   Hkv = k_new_BxHkvxTxhd.shape[1]
   Hg = H // Hkv
+  # query rows per KV head ordered (Hg, T), as target._attend_window orders them
+  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
+                  .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
+  return attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
+                     tree_mask_BxTxT, block_size, interpret)
+
+
+def attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
+                tree_mask_BxTxT, block_size: int | None = None, interpret: bool = False,
+                out_dtype=jnp.float32):
+  """`attention` from queries already in `attend`'s layout and scale (`fused.qkv`'s):
+  [B, T, H·hd] float32."""
+  B, _, R, _ = q_BxHkvxRxhd.shape
+  T = k_new_BxHkvxTxhd.shape[2]
+  Hg = R // T
   if block_size:
     if T % block_size:
       raise ValueError(f'{T} new tokens are not a whole number of blocks of {block_size}')
     block_T = jnp.arange(T) // block_size
     tree_mask_BxTxT = jnp.broadcast_to(block_T[:, None] == block_T[None, :], (B, T, T))
-  # query rows per KV head ordered (Hg, T), as target._attend_window orders them
-  q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
-                  .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
   bias_BxRxT = jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, NEG)
-  out = attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
-               bias_BxRxT, interpret=interpret)
-  return out.reshape(B, Hkv, Hg, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H * hd)
+  return attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
+                bias_BxRxT, interpret=interpret, out_dtype=out_dtype)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from d2sd_jax.models import cached
+from d2sd_jax.models import fused
 from d2sd_jax.models import splash
 
 Params = dict[str, Any]
@@ -432,9 +433,22 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
   the drafters, whose block tokens are never cached).
   block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
+
+  Decoding (prefix lengths, a few rows: `fused.fits`) in a program compiled for a TPU takes
+  the layer's Pallas form, `_layer_kernels`, the same law; everything else the XLA form.
   """
   B, T, _ = x_BxTxD.shape
-  hd = cfg.head_dim
+  args = (x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT, write_start_B)
+  xla = functools.partial(_layer_xla, cfg, block_size=block_size, fresh=fresh)
+  if fresh or ctx_mask.ndim != 1 or not fused.fits(B * T, cfg.head_dim, cfg.d_ff):
+    return xla(*args)
+  return jax.lax.platform_dependent(
+      *args, tpu=functools.partial(_layer_kernels, cfg, block_size=block_size), default=xla)
+
+
+def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
+               write_start_B=None, block_size: int | None = None, fresh: bool = False):
+  """`layer` through XLA."""
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
   q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
   # The new tokens' K/V in the cache's dtype before anything reads them: a token verified in a
@@ -448,21 +462,43 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   # layer cache several times per step).
   attn_BxTxE = attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
                          tree_mask_BxTxT, block_size, fresh)
-  new_kv = kv
-  if write_start_B is not None:
-    # Order the write after the reads: XLA only updates the cache in place when the written
-    # value depends on what read the old cache (an optimization barrier is not enough);
-    # otherwise it copies the whole layer cache every step. `0 *` keeps the values.
-    after_reads_Bx1xTxhd = 0.0 * attn_BxTxE[:, None, :, :hd].astype(cdt)
-    new_kv = {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B),
-              'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTxhd, write_start_B)}
+  new_kv = _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B)
   x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
-  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up')).reshape(B, T, 2, -1)
+  gate_up_BxTx2xF = linear(h, as_matrix(lp, 'w_gate_up')).reshape(*x_BxTxD.shape[:2], 2, -1)
   act = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
   x_BxTxD = x_BxTxD + linear(act, lp['w_down'])
   return x_BxTxD, new_kv
+
+
+def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, tree_mask_BxTxT,
+                   write_start_B=None, block_size: int | None = None, interpret: bool = False):
+  """`layer` through the TPU kernels: q/k/v with norms and RoPE (`fused.qkv`), attention over
+  the cache (`cached.attend_rows`), the MLP (`fused.mlp`); the output projection and the cache
+  write as in the XLA form."""
+  q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd = fused.qkv(
+      x_BxTxD, lp, positions_BxT, eps=cfg.norm_eps, rope_base=cfg.rope_base,
+      rope_freq_factors=cfg.rope_freq_factors, cache_dtype=kv['k'].dtype, interpret=interpret)
+  # (in the output projection's dtype: what its default-precision TPU matmul takes)
+  attn_BxTxE = cached.attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv,
+                                  ctx_len_B, tree_mask_BxTxT, block_size, interpret,
+                                  out_dtype=lp['wo'].dtype)
+  new_kv = _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B)
+  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
+  return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret), new_kv
+
+
+def _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B):
+  """The cache with the new tokens' K/V at write_start_B (unchanged for None), written after
+  attention has read it: XLA only updates the cache in place when the written value depends on
+  what read the old cache (an optimization barrier is not enough); otherwise it copies the
+  whole layer cache every step. `0 *` keeps the values; one column of the output is enough."""
+  if write_start_B is None:
+    return kv
+  after_reads_Bx1xTx1 = 0.0 * attn_BxTxE[:, None, :, :1].astype(kv['k'].dtype)
+  return {'k': write_rows(kv['k'], k_new_BxHkvxTxhd + after_reads_Bx1xTx1, write_start_B),
+          'v': write_rows(kv['v'], v_new_BxHkvxTxhd + after_reads_Bx1xTx1, write_start_B)}
 
 
 def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,

@@ -1,0 +1,240 @@
+"""A decoding layer's projections as Pallas TPU kernels: q/k/v with their norms and RoPE, and the
+MLP, each one kernel reading its weights once and its activations once.
+
+In a decoding program (an AR step, a verified tree, a drafter's block: a few rows of new tokens)
+a layer is memory-bound on its weights, and XLA splits what surrounds each matmul into passes
+over float32 activations of the rows: on a v5p, for the d2sd cycle's 76 rows of Qwen3-8B, the
+q/k norms, RoPE and the query layout read 28 MB per layer beyond the projection's 50 MB, and the
+MLP's gate/up output written and read back 26 MB beyond its 302 MB
+(benchmarks/tpu_layer_bytes.py). Here those passes happen in VMEM:
+
+  qkv  grid (row, KV head): the attention norm of the row's tokens, their projection onto the
+       KV head's Hg query heads, key and value ([Hg+2, hd, D] of `wqkv`), the q/k norms, RoPE
+       ('rotate half' as a lane roll), the queries scaled by 1/sqrt(hd) and laid out as
+       `cached.attend` reads them ([B, Hkv, Hg·T, hd]); keys and values in the cache's dtype.
+  mlp  grid (core, F tiles): the MLP norm once into VMEM, then per tile of F the gate and up
+       products, SiLU(gate) · up, and its product with the tile's `w_down` columns summed in
+       VMEM, the residual with the first. The F tiles are split in two halves on a 'parallel'
+       axis (a v5p's two TensorCores), and the halves' sums are added after.
+
+The values are the XLA forms' on a TPU: the matmuls take their inputs in the weights' dtype
+(what XLA does with float32 inputs at default precision) and accumulate in float32, every norm,
+RoPE and SiLU is float32 (tests/test_fused.py checks both kernels against `target.layer`'s XLA
+form through Pallas' interpreter). `target.layer` takes them in programs compiled for a TPU
+(`jax.lax.platform_dependent`) when `fits`: heads a multiple of 128 lanes and at most MAX_ROWS
+rows. Over a mesh they run per device (`shard_map`): rows over 'data', KV heads (qkv) or F (mlp)
+over 'model', the MLP's partial sums reduced over 'model' as XLA's own partitioning reduces them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from d2sd_jax.models import sharding
+
+MAX_ROWS = 128  # new tokens per program (batch x T) the kernels hold in VMEM at once
+F_TILES = (512, 256, 128)  # columns of F per MLP step, the largest that divides F / cores
+MLP_CORES = 2  # the MLP's parallel halves (a v5p or v4 chip's TensorCores; one core runs both)
+_NT = (((1,), (1,)), ((), ()))  # x [R, I] . w [O, I] -> [R, O]
+
+
+def fits(rows: int, head_dim: int, d_ff: int) -> bool:
+  """Whether a layer over `rows` new tokens takes these kernels on a TPU."""
+  return (rows <= MAX_ROWS and head_dim % 128 == 0
+          and any(d_ff % (MLP_CORES * t) == 0 for t in F_TILES))
+
+
+def _vmem_limit(nbytes: int) -> int:
+  """The scoped VMEM to ask for: what the blocks need (double-buffered) with headroom."""
+  return int(min(max(2 * nbytes, 32 << 20), 100 << 20))
+
+
+def _rms(x, w, eps):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_tables(positions_BxT, hd: int, base: float, freq_factors=None):
+  """cos and signed sin [B, T, hd] for `rope` as out = x cos + roll(x, hd/2) sin: the angles of
+  `target.rope`, cos twice and sin as [-sin, sin]."""
+  inv_freq = base ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
+  angle = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  return jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)
+
+
+def _qkv_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bias: bool):
+  if not has_bias:
+    refs = refs[:3] + (None,) + refs[3:]
+  x_ref, nw_ref, w_ref, b_ref, qn_ref, kn_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
+  f32 = jnp.float32
+  x = x_ref[0]  # [T, D] float32
+  h = _rms(x, nw_ref[...], eps).astype(w_ref.dtype)
+  cos, sin = cos_ref[0], sin_ref[0]  # [T, hd]
+  hd = cos.shape[-1]
+
+  def project(i):
+    y = jax.lax.dot_general(h, w_ref[0, i], _NT, preferred_element_type=f32)  # [T, hd]
+    return y if b_ref is None else y + b_ref[0, i:i + 1, :]
+
+  def norm_rope(y, norm_ref):
+    if qk_norm:
+      y = _rms(y, norm_ref[...], eps)
+    return y * cos + pltpu.roll(y, hd // 2, 1) * sin
+
+  for i in range(Hg):
+    q_ref[0, 0, i * T:(i + 1) * T, :] = norm_rope(project(i), qn_ref) * hd**-0.5
+  k_ref[0, 0] = norm_rope(project(Hg), kn_ref).astype(k_ref.dtype)
+  v_ref[0, 0] = project(Hg + 1).astype(v_ref.dtype)
+
+
+def _qkv_local(x, nw, w, bias, qn, kn, cos, sin, *, eps, qk_norm, cache_dtype, interpret):
+  B, T, D = x.shape
+  Hkv, G2, hd, _ = w.shape
+  Hg = G2 - 2
+  f32 = jnp.float32
+  row = lambda b, h: (b, 0, 0)
+  const2 = lambda b, h: (0, 0)
+  specs = [pl.BlockSpec((1, T, D), row), pl.BlockSpec((1, D), const2),
+           pl.BlockSpec((1, G2, hd, D), lambda b, h: (h, 0, 0, 0))]
+  args = [x, nw, w]
+  if bias is not None:
+    specs.append(pl.BlockSpec((1, G2, hd), lambda b, h: (h, 0, 0)))
+    args.append(bias.astype(f32))
+  specs += [pl.BlockSpec((1, hd), const2)] * 2 + [pl.BlockSpec((1, T, hd), row)] * 2
+  args += [qn, kn, cos, sin]
+  head = lambda b, h: (b, h, 0, 0)
+  cbytes = jnp.dtype(cache_dtype).itemsize
+  kernel = functools.partial(_qkv_kernel, Hg=Hg, T=T, eps=eps, qk_norm=qk_norm,
+                             has_bias=bias is not None)
+  need = 4 * T * D + w[0].size * w.dtype.itemsize + 4 * Hg * T * hd + 4 * T * hd
+  return pl.pallas_call(
+      kernel,
+      grid=(B, Hkv),
+      in_specs=specs,
+      out_specs=[pl.BlockSpec((1, 1, Hg * T, hd), head), pl.BlockSpec((1, 1, T, hd), head),
+                 pl.BlockSpec((1, 1, T, hd), head)],
+      out_shape=[jax.ShapeDtypeStruct((B, Hkv, Hg * T, hd), f32),
+                 jax.ShapeDtypeStruct((B, Hkv, T, hd), cache_dtype),
+                 jax.ShapeDtypeStruct((B, Hkv, T, hd), cache_dtype)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'parallel'),
+                                           vmem_limit_bytes=_vmem_limit(need)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * B * T * D * Hkv * G2 * hd, transcendentals=B * T * Hkv,
+          # x is fetched once per row and core (its block repeats along the KV heads)
+          bytes_accessed=(w.size * w.dtype.itemsize + B * min(Hkv, 2) * 4 * T * D
+                          + B * Hkv * T * hd * (4 * Hg + 2 * cbytes))),
+      interpret=interpret,
+  )(*args)
+
+
+def qkv(x_BxTxD, lp, positions_BxT, *, eps: float, rope_base: float, rope_freq_factors=None,
+        cache_dtype=jnp.float32, interpret: bool = False):
+  """The attention half's inputs from the residual stream x (float32 [B, T, D]):
+  queries [B, Hkv, Hg·T, hd] float32, RoPE applied and scaled by 1/sqrt(hd), rows ordered
+  (query head in group, token) as `cached.attend` reads them; keys and values [B, Hkv, T, hd]
+  in `cache_dtype`, RoPE on the keys. `lp`: the layer's attn_norm, wqkv, and where present
+  bqkv, q_norm, k_norm (target.py's layout)."""
+  w = lp['wqkv']
+  hd = w.shape[2]
+  f32 = jnp.float32
+  qk_norm = 'q_norm' in lp
+  ones = jnp.ones((hd,), f32)
+  cos, sin = rope_tables(positions_BxT, hd, rope_base, rope_freq_factors)
+  args = (x_BxTxD.astype(f32), lp['attn_norm'].astype(f32)[None], w, lp.get('bqkv'),
+          lp.get('q_norm', ones).astype(f32)[None], lp.get('k_norm', ones).astype(f32)[None],
+          cos, sin)
+  local = functools.partial(_qkv_local, eps=eps, qk_norm=qk_norm, cache_dtype=cache_dtype,
+                            interpret=interpret)
+  split = sharding.kernel_axes(x_BxTxD.shape[0], w.shape[0])
+  if split:
+    mesh, rows, heads = split
+    P = jax.sharding.PartitionSpec
+    heads4 = P(rows, heads, None, None)
+    in_specs = (P(rows, None, None), P(), P(heads, None, None, None),
+                None if args[3] is None else P(heads, None, None), P(), P(),
+                P(rows, None, None), P(rows, None, None))
+    local = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(heads4,) * 3,
+                          check_vma=False)
+  return local(*args)
+
+
+def _mlp_kernel(x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc, acc_sc, *, eps: float,
+                steps: int, residual: bool):
+  c, j = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(j == 0)
+  def _norm():
+    x = x_ref[...]
+    h_sc[...] = _rms(x, nw_ref[...], eps).astype(h_sc.dtype)
+    acc_sc[...] = jnp.where((c == 0) & residual, x, 0.0)  # the residual: in the first sum
+
+  f32 = jnp.float32
+  h = h_sc[...]
+  gate = jax.lax.dot_general(h, g_ref[0], _NT, preferred_element_type=f32)  # [R, tile]
+  up = jax.lax.dot_general(h, u_ref[0], _NT, preferred_element_type=f32)
+  act = (gate * jax.nn.sigmoid(gate) * up).astype(d_ref.dtype)
+  acc_sc[...] += jax.lax.dot_general(act, d_ref[...], _NT, preferred_element_type=f32)
+
+  @pl.when(j == steps - 1)
+  def _out():
+    o_ref[0] = acc_sc[...]
+
+
+def _mlp_local(x, nw, w_gate_up, w_down, *, eps, interpret, residual=True):
+  B, T, D = x.shape
+  R, F = B * T, w_gate_up.shape[1]
+  cores = MLP_CORES if F % MLP_CORES == 0 else 1
+  tile = next(t for t in F_TILES if (F // cores) % t == 0)
+  steps = F // cores // tile
+  wbytes = w_gate_up.dtype.itemsize
+  f32 = jnp.float32
+  col = lambda c, j: c * steps + j
+  need = 8 * R * D + 3 * tile * D * wbytes + R * D * (4 + wbytes)
+  partial_CxRxD = pl.pallas_call(
+      functools.partial(_mlp_kernel, eps=eps, steps=steps, residual=residual),
+      grid=(cores, steps),
+      in_specs=[pl.BlockSpec((R, D), lambda c, j: (0, 0)),
+                pl.BlockSpec((1, D), lambda c, j: (0, 0)),
+                pl.BlockSpec((1, tile, D), lambda c, j: (0, col(c, j), 0)),
+                pl.BlockSpec((1, tile, D), lambda c, j: (1, col(c, j), 0)),
+                pl.BlockSpec((D, tile), lambda c, j: (0, col(c, j)))],
+      out_specs=pl.BlockSpec((1, R, D), lambda c, j: (c, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((cores, R, D), f32),
+      scratch_shapes=[pltpu.VMEM((R, D), w_gate_up.dtype), pltpu.VMEM((R, D), f32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary'),
+                                           vmem_limit_bytes=_vmem_limit(need)),
+      cost_estimate=pl.CostEstimate(
+          flops=6 * R * D * F, transcendentals=R * F,
+          bytes_accessed=3 * F * D * wbytes + cores * 8 * R * D),
+      interpret=interpret,
+  )(x.reshape(R, D), nw, w_gate_up, w_gate_up, w_down)
+  out_RxD = partial_CxRxD[0]
+  for c in range(1, cores):
+    out_RxD = out_RxD + partial_CxRxD[c]
+  return out_RxD.reshape(B, T, D)
+
+
+def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
+  """x + MLP(x) for the residual stream x (float32 [B, T, D]): RMSNorm (`mlp_norm`), then
+  w_down (SiLU(gate) * up) with gate/up from `w_gate_up` [2, F, D], `w_down` [D, F]."""
+  f32 = jnp.float32
+  x = x_BxTxD.astype(f32)
+  local = functools.partial(_mlp_local, eps=eps, interpret=interpret)
+  split = sharding.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
+  if split:
+    mesh, rows, cols = split
+    P = jax.sharding.PartitionSpec
+    body = local
+    if cols:  # each device sums its part of F: reduce the parts, then add the residual
+      part = functools.partial(_mlp_local, eps=eps, interpret=interpret, residual=False)
+      body = lambda x_, *a: x_ + jax.lax.psum(part(x_, *a), cols)
+    local = jax.shard_map(body, mesh=mesh,
+                          in_specs=(P(rows, None, None), P(), P(None, cols, None), P(None, cols)),
+                          out_specs=P(rows, None, None), check_vma=False)
+  return local(x, lp['mlp_norm'].astype(f32)[None], lp['w_gate_up'], lp['w_down'])
