@@ -122,10 +122,10 @@ def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
     p, st, _, _, _ = a
     return tick_of(t, SP.draft(_bumped(p, t), cfg, settings, st))
 
-  def verify_step(carry, a):  # the logits and features feed the tick: they are computed
+  def verify_step(carry, a):  # the logits, features and new K/V feed the tick: all computed
     (cache, t), (p, st, tr, _, _) = carry, a
     v = SP.verify(p, cfg, settings, st.replace(cache=cache), tr)
-    return v.cache, tick_of(t, (v.logits_BxTxV, v.features))
+    return cache, tick_of(t, (v.logits_BxTxV, v.features, v.new_kv))
 
   def accept_step(t, a):
     _, _, tr, v, key = a

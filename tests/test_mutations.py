@@ -36,11 +36,12 @@ def apply_mutation(monkeypatch, module, old: str, new: str):
 
 
 MUTATIONS = {
-    # The target cache keeps the tree's K/V where verification wrote them (node order), not in
-    # path order: only visible when a path through a branch is accepted.
+    # The target cache takes the tree's first K/V in node order, not the accepted path's:
+    # only visible when a path through a branch is accepted.
     'skip cache compaction': (
-        SP, 'cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)',
-        'cache = v.cache', 'oracle_tree'),
+        SP, 'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, acc.path_BxC)',
+        'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, '
+        'jnp.broadcast_to(jnp.arange(acc.path_BxC.shape[1]), acc.path_BxC.shape))', 'oracle_tree'),
     'drafter contexts not extended': (
         SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats,',
         'draft_caches = draft_caches or (params, settings, draft_caches, path_feats,',

@@ -425,7 +425,8 @@ def _attend_window(W: int, q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, c
 
 
 def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
-          write_start_B=None, block_size: int | None = None, fresh: bool = False):
+          write_start_B=None, block_size: int | None = None, fresh: bool = False,
+          new_kv_only: bool = False):
   """One transformer layer over T new tokens attending to [cached context ; each other].
 
   ctx_mask: [B] lengths (row b's new tokens see its first ctx_mask[b] slots), [B, S] (every
@@ -433,21 +434,27 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
   the drafters, whose block tokens are never cached).
   block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
+  new_kv_only: return the new tokens' K/V ({'k', 'v'}: [B, Hkv, T, hd] in the cache's dtype)
+  in place of the cache, which is only read (a verified tree: the accepted path's K/V are
+  written once acceptance is known, `speculative.compact_cache`).
 
   Decoding (prefix lengths, a few rows: `fused.fits`) in a program compiled for a TPU takes
   the layer's Pallas form, `_layer_kernels`, the same law; everything else the XLA form.
   """
   B, T, _ = x_BxTxD.shape
   args = (x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT, write_start_B)
-  xla = functools.partial(_layer_xla, cfg, block_size=block_size, fresh=fresh)
+  xla = functools.partial(_layer_xla, cfg, block_size=block_size, fresh=fresh,
+                          new_kv_only=new_kv_only)
   if fresh or ctx_mask.ndim != 1 or not fused.fits(B * T, cfg.head_dim, cfg.d_ff):
     return xla(*args)
   return jax.lax.platform_dependent(
-      *args, tpu=functools.partial(_layer_kernels, cfg, block_size=block_size), default=xla)
+      *args, tpu=functools.partial(_layer_kernels, cfg, block_size=block_size,
+                                   new_kv_only=new_kv_only), default=xla)
 
 
 def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
-               write_start_B=None, block_size: int | None = None, fresh: bool = False):
+               write_start_B=None, block_size: int | None = None, fresh: bool = False,
+               new_kv_only: bool = False):
   """`layer` through XLA."""
   h = rms_norm(x_BxTxD, lp['attn_norm'], cfg.norm_eps)
   q_BxTxHxhd, k_BxTxHkvxhd, v_BxTxHkvxhd = qkv_projection(cfg, lp, h, positions_BxT)
@@ -462,7 +469,8 @@ def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_
   # layer cache several times per step).
   attn_BxTxE = attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
                          tree_mask_BxTxT, block_size, fresh)
-  new_kv = _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B)
+  new_kv = ({'k': k_new_BxHkvxTxhd, 'v': v_new_BxHkvxTxhd} if new_kv_only else
+            _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B))
   x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
@@ -473,7 +481,8 @@ def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_
 
 
 def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, tree_mask_BxTxT,
-                   write_start_B=None, block_size: int | None = None, interpret: bool = False):
+                   write_start_B=None, block_size: int | None = None, interpret: bool = False,
+                   new_kv_only: bool = False):
   """`layer` through the TPU kernels: q/k/v with norms and RoPE (`fused.qkv`), attention over
   the cache (`cached.attend_rows`), the MLP (`fused.mlp`); the output projection and the cache
   write as in the XLA form."""
@@ -484,7 +493,8 @@ def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, 
   attn_BxTxE = cached.attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv,
                                   ctx_len_B, tree_mask_BxTxT, block_size, interpret,
                                   out_dtype=lp['wo'].dtype)
-  new_kv = _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B)
+  new_kv = ({'k': k_new_BxHkvxTxhd, 'v': v_new_BxHkvxTxhd} if new_kv_only else
+            _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B))
   x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
   return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret), new_kv
 
@@ -503,7 +513,7 @@ def _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start
 
 def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
             cache: Cache, cache_len_B: jax.Array, tree_mask_BxTxT: jax.Array | None = None,
-            feature_layers: tuple[int, ...] = (), fresh: bool = False):
+            feature_layers: tuple[int, ...] = (), fresh: bool = False, write_cache: bool = True):
   """Runs T new tokens per row after each row's cached context.
 
   Args:
@@ -518,9 +528,13 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
       of layer l).
     fresh: the cache holds nothing yet (prefill from cache_len 0, teacher features): causal
       attention among the new tokens only (`attention`), not against every empty slot.
+    write_cache: False leaves the cache as it is and returns, in its place, the new tokens' K/V
+      per layer ({'k', 'v'}: [B, Hkv, T, hd] in the cache's dtype): a verified tree, whose
+      accepted path alone is written once acceptance is known.
 
   Returns:
-    (hidden_BxTxD after the final norm, updated cache, features_BxTxLfxD or None)
+    (hidden_BxTxD after the final norm, updated cache (or the new K/V), features_BxTxLfxD or
+    None)
   """
   B, T = tokens_BxT.shape
   if tree_mask_BxTxT is None and not fresh:
@@ -532,7 +546,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
   states, new_cache = [x_BxTxD], []
   for lp, kv in zip(params['layers'], cache):
     x_BxTxD, kv = layer(cfg, x_BxTxD, lp, kv, positions_BxT, cache_len_B, tree_mask_BxTxT,
-                        write_start_B=cache_len_B, fresh=fresh)
+                        write_start_B=cache_len_B, fresh=fresh, new_kv_only=not write_cache)
     new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None

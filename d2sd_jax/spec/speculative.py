@@ -154,13 +154,14 @@ CACHE_MULTIPLE = 16  # cache slots are a multiple of this (see cache_size_needed
 
 
 def cache_size_needed(prompt_len: int, settings: SpecSettings) -> int:
-  """Cache slots: every committed token + one verification tree written after them, rounded up
-  to a multiple of CACHE_MULTIPLE. The TPU compiler tiles a cache [B, Hkv, S, hd] by (8 or 16,
+  """Cache slots: every committed token + one cycle's commit slots written after the last
+  (verification only reads the cache; `compact_cache` writes the accepted path's C slots),
+  rounded up to a multiple of CACHE_MULTIPLE. The TPU compiler tiles a cache [B, Hkv, S, hd] by (8 or 16,
   128) over its two minor dimensions: with S a multiple of the tile it keeps that layout, else
   it stored the cache slots-major (S = 1,356 for D2SD at 1,024 + 256 tokens) and converted
   every layer's whole cache to the attention's layout in every cycle
   (benchmarks/tpu_compile.py; docs/scale-out.md)."""
-  need = prompt_len + settings.generation.max_new_tokens + settings.tree_size
+  need = prompt_len + settings.generation.max_new_tokens + settings.max_commit
   return -(-need // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
@@ -231,19 +232,21 @@ class Verified:
   depth_BxT: jax.Array
   positions_BxT: jax.Array
   logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
-  cache: model_lib.Cache  # target cache with every node's K/V written after the context
+  new_kv: model_lib.Cache  # every node's K/V per layer ({'k', 'v'}: [B, Hkv, T, hd]), not cached
   features: jax.Array | None  # [B, T, Lf, D] target features of every node (drafter context)
 
 
 def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
-  """Every node in one target pass after the committed context (shared prefixes once)."""
+  """Every node in one target pass after the committed context (shared prefixes once). The
+  cache is only read: `commit` writes the accepted path's K/V (`compact_cache`)."""
   anc_BxTxT, depth_BxT = tree_lib.structure(tree)
   positions = state.cache_len_B[:, None] + depth_BxT
-  hidden, cache, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
-                                           state.cache, state.cache_len_B, anc_BxTxT,
-                                           feature_layers=settings.feature_layers)
+  hidden, new_kv, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
+                                            state.cache, state.cache_len_B, anc_BxTxT,
+                                            feature_layers=settings.feature_layers,
+                                            write_cache=False)
   return Verified(anc_BxTxT, depth_BxT, positions, model_lib.logits(params['target'], cfg, hidden),
-                  cache, feats)
+                  new_kv, feats)
 
 
 @flax.struct.dataclass
@@ -286,16 +289,16 @@ def committed_tokens(gen: ar.GenerationSettings, state: SpecState, path_tokens_B
   return new_BxC, n_commit_B, first_eos_B < n_commit_B
 
 
-def compact_cache(cache: model_lib.Cache, cache_len_B, path_BxC, tree_size: int):
-  """Moves the K/V of the accepted path's nodes (written at cache_len + node index by the
-  verification pass) to consecutive slots cache_len + depth."""
-
-  def layer(buf_BxHkvxSxhd):
-    window_BxHkvxTxhd = model_lib.read_rows(buf_BxHkvxSxhd, cache_len_B, tree_size)
-    moved = jnp.take_along_axis(window_BxHkvxTxhd, path_BxC[:, None, :, None], axis=2)
-    return model_lib.write_rows(buf_BxHkvxSxhd, moved, cache_len_B)
-
-  return [{'k': layer(kv['k']), 'v': layer(kv['v'])} for kv in cache]
+def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, path_BxC):
+  """The cache with the accepted path's K/V (node indices path_BxC into the verified tree's
+  new K/V) at consecutive slots cache_len + depth. Only the path's C nodes are read and
+  written (not the tree's T), and the write depends on acceptance, so it follows every read of
+  the old cache and XLA updates the cache in place."""
+  path = path_BxC[:, None, :, None]  # [B, 1, C, 1]
+  moved = lambda new_BxHkvxTxhd: jnp.take_along_axis(new_BxHkvxTxhd, path, axis=2, mode='clip')
+  return [{'k': model_lib.write_rows(kv['k'], moved(new['k']), cache_len_B),
+           'v': model_lib.write_rows(kv['v'], moved(new['v']), cache_len_B)}
+          for kv, new in zip(cache, new_kv)]
 
 
 def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
@@ -311,7 +314,7 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
   seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
       jnp.where(j < n_commit_B[:, None], new_BxC, gen.pad_id), mode='drop')
   # Slots past the committed ones may keep stale K/V: attention never reads beyond cache_len.
-  cache = compact_cache(v.cache, state.cache_len_B, acc.path_BxC, tree.size)
+  cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, acc.path_BxC)
   draft_caches = state.draft_caches
   if settings.drafters:
     path_feats = jnp.take_along_axis(v.features, acc.path_BxC[:, :, None, None], axis=1)
