@@ -13,11 +13,13 @@ Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 
   per-stage times. Every method's completions must equal AR's (lossless), or the run stops.
 - trees: the best-first trees at node budget TREE_BUDGET beside the chain and D²SD's tree, both
   its own (36 nodes) and cut to the same budget (ar, pld, dflash, ddtree, d2sd, d2sd(N=16),
-  d2sd_tree), greedy, on HumanEval in the chat template, on held-out code (plain completions of
-  the held-out records of data/distill-packages: the split training never sees; documented
-  functions of installed packages), on held-out questions (the held-out records of
-  data/distill-questions in the chat template) and on the prose chat set. tau, the trees' own
-  expected tau (from their node scores), tokens/s, speed-up over AR in the same run; lossless.
+  d2sd_tree) and what method=auto picks (from the shipped priors: a fresh choice cache, then
+  what the run's own decodes teach it, as a user's first decodes), greedy, on HumanEval in the
+  chat template, on held-out code (plain completions of the held-out records of
+  data/distill-packages: the split training never sees; documented functions of installed
+  packages), on held-out questions (the held-out records of data/distill-questions in the chat
+  template) and on the prose chat set. tau, the trees' own expected tau (from their node
+  scores), tokens/s, speed-up over AR in the same run; lossless.
 - scaling: gamma = 4 / 8 / 16 for prompt lookup (a diffusion drafter's gamma is fixed by its
   training: its gamma scaling needs one drafter trained per gamma, not done here), and d2sd at
   K = 1 / 2 / 4 branches (HumanEval chat).
@@ -58,7 +60,8 @@ TREE_BUDGET = 16  # nodes verified per cycle by the budgeted rows, the anchor in
 TREES = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
          ('ddtree', 'ddtree', {'tree_budget': TREE_BUDGET}), ('d2sd', 'd2sd', {}),
          (f'd2sd(N={TREE_BUDGET})', 'd2sd', {'tree_budget': TREE_BUDGET}),
-         ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}))
+         ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}),
+         ('auto', 'auto', {}))  # what method=auto picks, from the shipped priors (a fresh cache)
 HELD_OUT_CODE = os.path.join(ROOT, 'data', 'distill-packages')
 HELD_OUT_QUESTIONS = os.path.join(ROOT, 'data', 'distill-questions')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
@@ -120,7 +123,8 @@ def row_of(method: str, stats: dict, ar_ms: float) -> dict:
           'ms_per_token': round(per_token_ms(stats), 2),
           'speedup_vs_ar': round(ar_ms / per_token_ms(stats), 3),
           'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size'),
-          'expected_tau': stats.get('expected_tau')}  # best-first trees only
+          'expected_tau': stats.get('expected_tau'),  # best-first trees only
+          'auto_choice': stats.get('auto_choice')}  # method=auto: its pick (method[:nodes])
 
 
 def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
@@ -274,7 +278,8 @@ def headline(out_dir: str) -> str:
   with open(os.path.join(out_dir, 'reproduce.json')) as f:
     res = json.load(f)
   name, head = HEADLINE
-  row = lambda r: (f"| {r['method']} | {r['tau']} | {r['decode_tokens_per_s']} | "
+  row = lambda r: (f"| {r['method']}{' → ' + r['auto_choice'] if r.get('auto_choice') else ''} | "
+                   f"{r['tau']} | {r['decode_tokens_per_s']} | "
                    f"{r['speedup_vs_ar']} |")
   table = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '', *table]
@@ -331,7 +336,8 @@ def markdown(out_dir: str) -> str:
                 '| method | τ | expected τ (node scores) | tree nodes | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|---|']
       for r in rows:
-        lines.append(f"| {r['method']} | {r['tau']} | {r['expected_tau'] or '–'} | "
+        label = r['method'] + (f" → {r['auto_choice']}" if r.get('auto_choice') else '')
+        lines.append(f"| {label} | {r['tau']} | {r['expected_tau'] or '–'} | "
                      f"{r['tree_size'] or '–'} | {r['decode_tokens_per_s']} | "
                      f"{r['speedup_vs_ar']} |")
     if 'scaling' in res:
@@ -413,6 +419,8 @@ def main():
     return
   import d2sd_jax  # pylint: disable=import-outside-toplevel
   os.makedirs(args.out, exist_ok=True)
+  # method=auto starts from the shipped priors, not from choices remembered on this machine
+  os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
   n, tokens = (3, 32) if args.quick else (20, 128)
   settings = f'{n} prompts, {tokens} new tokens, batch 1, greedy unless stated'
   name = 'reproduce-quick.json' if args.quick else 'reproduce.json'

@@ -3,16 +3,19 @@ and its parts compiled for a TPU chip from this host, each part's bytes accessed
 compiler's cost analysis) against the weights it must read.
 
   python benchmarks/tpu_layer_bytes.py [--topology v5p:1x1x1] [--target qwen3-8b] \\
-      [--tokens 1,16,76] [--context 1024] [--cache 1360]
+      [--tokens 1,16,76] [--context 1024] [--cache 1296]
 
 T new tokens (1: an AR step; 76: the d2sd cycle's verified tree with the paper's gamma 16 and
 K = 4; 16 / 64: the drafters' blocks) over a cache of --cache slots holding --context tokens,
 with the decode programs' compiler options (models/xla_options.py). Parts, each in the form a
 TPU program takes (`target.layer`: the Pallas kernels where `fused.fits`):
   layer      target.layer: everything below, the output projection and the residual stream
+             (an AR step writes its token's K/V; a verified tree or a drafter block only reads
+             the cache: the cycle's commit writes the accepted path's K/V)
   qkv        the attention norm, the q/k/v projection, q/k norms and RoPE (fused.qkv)
   attention  attention over the cache prefix (cached.attend_rows)
-  cache      the new tokens' K/V written into the cache (target.write_rows, in place)
+  cache      T rows of K/V written into the cache (target.write_rows, in place): an AR step's
+             token, or a cycle's commit of the accepted path
   mlp        the MLP norm, gate/up, SiLU x up, down and the residual add (fused.mlp)
 For each: bytes accessed, the weights (and, for attention, the KV of the context) it must read,
 and the excess: float32 activations of the T rows, read and written between the parts, and the
@@ -41,7 +44,7 @@ flags.DEFINE_string('target', 'qwen3-8b', 'costmodel.TARGETS name, smollm2, or a
 flags.DEFINE_string('dtype', 'bfloat16', "the target's weight dtype")
 flags.DEFINE_string('tokens', '1,16,76', 'new tokens per program (comma-separated)')
 flags.DEFINE_integer('context', 1024, 'cached tokens attended to')
-flags.DEFINE_integer('cache', 1360, 'cache slots (the d2sd cycle\'s at context 1024)')
+flags.DEFINE_integer('cache', 1296, 'cache slots (the d2sd cycle\'s at context 1024)')
 
 
 def parts(cfg, T: int, context: int):
@@ -61,7 +64,8 @@ def parts(cfg, T: int, context: int):
   pick = lambda *names: {n: lp[n] for n in names if n in lp}
 
   def layer(lp_, kv_, x_, pos_, clen_):
-    return M.layer(cfg, x_, lp_, kv_, pos_, clen_, tree, write_start_B=clen_)
+    return M.layer(cfg, x_, lp_, kv_, pos_, clen_, tree, write_start_B=clen_,
+                   new_kv_only=T > 1)
 
   def qkv(w, x_, pos_):
     if not fused.fits(T, hd, cfg.d_ff):
@@ -88,7 +92,7 @@ def parts(cfg, T: int, context: int):
   attn_w = pick('attn_norm', 'wqkv', 'bqkv', 'q_norm', 'k_norm')
   mlp_w = pick('mlp_norm', 'w_gate_up', 'w_down')
   return {
-      'layer': (layer, (lp, kv, x, pos, clen), (1,), nbytes(lp) + kv_read),
+      'layer': (layer, (lp, kv, x, pos, clen), (1,) if T == 1 else (), nbytes(lp) + kv_read),
       'qkv': (qkv, (attn_w, x, pos), (), nbytes(attn_w)),
       'attention': (attention, (S((1, T, H, hd)), new_kv, new_kv, kv, clen), (), kv_read),
       'cache': (cache, (kv, new_kv, clen), (0,), 0),

@@ -38,7 +38,7 @@ def apply_mutation(monkeypatch, module, old: str, new: str):
 MUTATIONS = {
     # The target cache takes the tree's first K/V in node order, not the accepted path's:
     # only visible when a path through a branch is accepted.
-    'skip cache compaction': (
+    'compaction in node order': (
         SP, 'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, acc.path_BxC)',
         'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, '
         'jnp.broadcast_to(jnp.arange(acc.path_BxC.shape[1]), acc.path_BxC.shape))', 'oracle_tree'),
