@@ -84,7 +84,8 @@ def test_mlp_kernel_equals_the_xla_mlp(dtype):
 def test_kernel_layer_equals_the_xla_layer_on_a_token_tree(name):
   """One layer verifying a random token tree after cached contexts of 37 and 250 tokens
   (float32 weights): the residual stream out and the cache with the tree's K/V written at each
-  row's length, the slots before untouched."""
+  row's length, the slots before untouched; read-only (new_kv_only, as verification runs), the
+  same residual stream and the tree's K/V returned, equal to what the write put in the cache."""
   cfg, lp, x, _ = _layer(CONFIGS[name], 'float32', seed=3)
   B, T = x.shape[:2]
   ks = jax.random.split(jax.random.key(7), 3)
@@ -101,6 +102,14 @@ def test_kernel_layer_equals_the_xla_layer_on_a_token_tree(name):
   for name_ in ('k', 'v'):
     np.testing.assert_allclose(got_kv[name_], want_kv[name_], rtol=0, atol=1e-4)
   assert float(jnp.abs(got_kv['k'][0, :, 37:37 + T] - kv['k'][0, :, 37:37 + T]).max()) > 0.1
+  for form, kw in ((model_lib._layer_xla, {}), (model_lib._layer_kernels, {'interpret': True})):
+    ro_x, new = form(cfg, x, lp, kv, positions, lengths, tree, lengths, new_kv_only=True, **kw)
+    np.testing.assert_allclose(ro_x, want_x, rtol=0, atol=2e-5 * float(jnp.abs(want_x).max()))
+    for name_ in ('k', 'v'):
+      assert new[name_].shape == (B, cfg.n_kv_heads, T, cfg.head_dim)
+      for b, n in enumerate((37, 250)):
+        np.testing.assert_allclose(new[name_][b], want_kv[name_][b, :, n:n + T], rtol=0,
+                                   atol=1e-4)
 
 
 def test_fits_needs_lane_dense_heads_and_few_rows():
