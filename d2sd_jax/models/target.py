@@ -243,12 +243,6 @@ def write_rows(cache_BxHkvxSxhd, new_BxHkvxTxhd, start_B):
   return cache_BxHkvxSxhd
 
 
-def read_rows(cache_BxHkvxSxhd, start_B, length: int):
-  """cache[b, :, start_b:start_b+length] for every row: [B, K, length, hd]."""
-  return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, length, axis=1))(
-      cache_BxHkvxSxhd, start_B)
-
-
 def qkv_projection(cfg: ModelConfig, lp, h_BxTxD, positions_BxT, keys_values_only=False):
   """Queries [B, T, H, hd] and keys, values [B, T, Hkv, hd] (RoPE applied) of normed inputs.
   keys_values_only: (None, keys, values), projected through `wkv` (the key and value rows of

@@ -156,9 +156,9 @@ CACHE_MULTIPLE = 16  # cache slots are a multiple of this (see cache_size_needed
 def cache_size_needed(prompt_len: int, settings: SpecSettings) -> int:
   """Cache slots: every committed token + one cycle's commit slots written after the last
   (verification only reads the cache; `compact_cache` writes the accepted path's C slots),
-  rounded up to a multiple of CACHE_MULTIPLE. The TPU compiler tiles a cache [B, Hkv, S, hd] by (8 or 16,
-  128) over its two minor dimensions: with S a multiple of the tile it keeps that layout, else
-  it stored the cache slots-major (S = 1,356 for D2SD at 1,024 + 256 tokens) and converted
+  rounded up to a multiple of CACHE_MULTIPLE. The TPU compiler tiles a cache [B, Hkv, S, hd]
+  by (8 or 16, 128) over its two minor dimensions: with S a multiple of the tile it keeps that
+  layout, else it stored the cache slots-major (S = 1,356, not a multiple of 16) and converted
   every layer's whole cache to the attention's layout in every cycle
   (benchmarks/tpu_compile.py; docs/scale-out.md)."""
   need = prompt_len + settings.generation.max_new_tokens + settings.max_commit
