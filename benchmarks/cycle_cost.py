@@ -135,8 +135,8 @@ def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
 
   def accept_commit_step(carry, a):  # the rest of the new state feeds the tick
     (cache, draft_caches, t), (p, st, tr, v, _) = carry, a
-    out = SP.accept_and_commit(p, settings, st.replace(draft_caches=draft_caches), tr,
-                               v.replace(cache=cache))
+    out = SP.accept_and_commit(p, settings, st.replace(cache=cache, draft_caches=draft_caches),
+                               tr, v)
     return out.cache, out.draft_caches, tick_of(t, out.replace(cache=None, draft_caches=None))
 
   inputs = (params, state, tree, verified, accept_key_B)
@@ -145,7 +145,7 @@ def cycle_stages(params, cfg, settings, state, names) -> dict[str, Stage]:
       'verify': lambda: Stage(verify_step, (copy(state.cache), tick()), inputs),
       'accept': lambda: Stage(accept_step, tick(), inputs),
       'accept_commit': lambda: Stage(
-          accept_commit_step, copy((verified.cache, state.draft_caches)) + (tick(),), inputs),
+          accept_commit_step, copy((state.cache, state.draft_caches)) + (tick(),), inputs),
   }
   return {name: make[name]() for name in names}
 

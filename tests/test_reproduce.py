@@ -104,7 +104,9 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   for rows in res['trees'].values():
     assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.TREES]
     for r, (_, method, knobs) in zip(rows, reproduce.TREES):
-      tree = method in ('ddtree', 'd2sd_tree')
+      assert (r['auto_choice'] is not None) == (method == 'auto')
+      picked = r['auto_choice'].split('(')[0] if method == 'auto' else method
+      tree = picked in ('ddtree', 'd2sd_tree')
       assert r['tree_size'] == reproduce.TREE_BUDGET if knobs else True
       assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
   assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
