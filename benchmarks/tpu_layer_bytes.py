@@ -12,8 +12,8 @@ TPU program takes (`target.layer`: the Pallas kernels where `fused.fits`):
   layer      target.layer: everything below, the output projection and the residual stream
              (an AR step writes its token's K/V; a verified tree or a drafter block only reads
              the cache: the cycle's commit writes the accepted path's K/V)
-  qkv        the attention norm, the q/k/v projection, q/k norms and RoPE (fused.qkv)
-  attention  attention over the cache prefix (cached.attend_rows)
+  attention  the attention half up to the output projection: the attention norm, q/k/v, q/k
+             norms, RoPE and attention over the cache prefix (fused.attention: one kernel)
   cache      T rows of K/V written into the cache (target.write_rows, in place): an AR step's
              token, or a cycle's commit of the accepted path
   mlp        the MLP norm, gate/up, SiLU x up, down and the residual add (fused.mlp)
@@ -33,7 +33,6 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
-from d2sd_jax.models import cached  # pylint: disable=wrong-import-position
 from d2sd_jax.models import fused  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
@@ -55,7 +54,7 @@ def parts(cfg, T: int, context: int):
   kv = jax.eval_shape(lambda: M.init_cache(dataclasses.replace(cfg, n_layers=1), 1,
                                            FLAGS.cache))[0]
   S = lambda shape, dtype=f32: jax.ShapeDtypeStruct(shape, dtype)
-  D, H, Hkv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  D, Hkv, hd = cfg.d_model, cfg.n_kv_heads, cfg.head_dim
   x, pos, clen = S((1, T, D)), S((1, T), jnp.int32), S((1,), jnp.int32)
   tree = jnp.tril(jnp.ones((1, T, T), bool))
   nbytes = lambda tree_: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree_))
@@ -67,17 +66,15 @@ def parts(cfg, T: int, context: int):
     return M.layer(cfg, x_, lp_, kv_, pos_, clen_, tree, write_start_B=clen_,
                    new_kv_only=T > 1)
 
-  def qkv(w, x_, pos_):
-    if not fused.fits(T, hd, cfg.d_ff):
-      return M.qkv_projection(cfg, w, M.rms_norm(x_, w['attn_norm'], cfg.norm_eps), pos_)
-    return fused.qkv(x_, w, pos_, eps=cfg.norm_eps, rope_base=cfg.rope_base,
-                     rope_freq_factors=cfg.rope_freq_factors, cache_dtype=kv['k'].dtype)
-
-  def attention(q, k_new, v_new, kv_, clen_):
-    if not fused.fits(T, hd, cfg.d_ff):
-      return M.attention(q, k_new, v_new, kv_, clen_, tree)
-    q = q.reshape(1, T, Hkv, H // Hkv, hd).transpose(0, 2, 3, 1, 4).reshape(1, Hkv, -1, hd)
-    return cached.attend_rows(q, k_new, v_new, kv_, clen_, tree, out_dtype=lp['wo'].dtype)
+  def attention(w, x_, pos_, kv_, clen_):
+    if fused.fits(T, hd, cfg.d_ff):
+      return fused.attention(x_, w, pos_, kv_, clen_, tree, eps=cfg.norm_eps,
+                             rope_base=cfg.rope_base, rope_freq_factors=cfg.rope_freq_factors,
+                             out_dtype=lp['wo'].dtype)
+    h = M.rms_norm(x_, w['attn_norm'], cfg.norm_eps)
+    q, k, v = M.qkv_projection(cfg, w, h, pos_)
+    k, v = (a.transpose(0, 2, 1, 3).astype(kv_['k'].dtype) for a in (k, v))
+    return M.attention(q, k, v, kv_, clen_, tree), k, v
 
   def cache(kv_, k_new, clen_):
     return M.write_rows(kv_['k'], k_new, clen_)
@@ -93,8 +90,7 @@ def parts(cfg, T: int, context: int):
   mlp_w = pick('mlp_norm', 'w_gate_up', 'w_down')
   return {
       'layer': (layer, (lp, kv, x, pos, clen), (1,) if T == 1 else (), nbytes(lp) + kv_read),
-      'qkv': (qkv, (attn_w, x, pos), (), nbytes(attn_w)),
-      'attention': (attention, (S((1, T, H, hd)), new_kv, new_kv, kv, clen), (), kv_read),
+      'attention': (attention, (attn_w, x, pos, kv, clen), (), nbytes(attn_w) + kv_read),
       'cache': (cache, (kv, new_kv, clen), (0,), 0),
       'mlp': (mlp, (mlp_w, x), (), nbytes(mlp_w)),
   }

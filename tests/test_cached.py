@@ -81,13 +81,13 @@ def _cycle(devices, mesh_spec, method='dflash'):
 
 
 def test_tpu_cycles_take_the_kernel_and_cpu_programs_do_not():
-  """A dflash cycle compiled for a v5p chip calls the kernels (attention, and fused.py's q/k/v
-  and MLP) in every layer of the target's verification and the drafter's pass; the same cycle
+  """A dflash cycle compiled for a v5p chip calls the kernels (fused.py's attention half and
+  MLP) in every layer of the target's verification and the drafter's pass; the same cycle
   lowered for the CPU has no custom call (a choice made by the host's jax.default_backend()
   would give the TPU program the XLA forms)."""
   row, compiled = _cycle(tpu_devices('v5p:1x1x1'), 'data=1,model=1')
   calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
-  assert calls >= 3 * (LEAN.n_layers + LEAN_DRAFTER.n_layers), calls
+  assert calls >= 2 * (LEAN.n_layers + LEAN_DRAFTER.n_layers), calls
   assert row['bytes_per_device'] <= 1.1 * row['ideal_bytes_per_device']
   prefill, step = C.decode_programs(LEAN, {'drafter1': LEAN_DRAFTER}, ['dflash'],
                                     C.sharding.make_mesh(1, 1), batch=1, context=64,

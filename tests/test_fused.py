@@ -1,4 +1,4 @@
-"""A decoding layer's q/k/v and MLP as Pallas TPU kernels (d2sd_jax/models/fused.py): through
+"""A decoding layer's attention half and MLP as Pallas TPU kernels (models/fused.py): through
 Pallas' interpreter on this CPU they equal the XLA form (`target.layer`'s), alone and in a whole
 layer verifying a token tree over a cache, with rows of different lengths; a TPU layer takes
 them (and a CPU program does not), and over a model-parallel mesh they compile split, the MLP's
@@ -41,25 +41,34 @@ def _layer(cfg, dtype, seed=0):
 
 @pytest.mark.parametrize('name', sorted(CONFIGS))
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_qkv_kernel_equals_the_xla_projection(name, dtype):
-  """Queries in `cached.attend`'s layout and scale, keys and values in the cache's: against
-  norm -> qkv_projection, its inputs rounded as the TPU rounds them. A kernel with RoPE's halves
-  rotated the wrong way, a q/k norm on the wrong axis or with the other's weight, the bias
-  dropped or the scale missing differs."""
+def test_attention_kernel_equals_the_xla_attention_half(name, dtype):
+  """The attention half in one kernel (norm, q/k/v, q/k norms, RoPE, attention over a cache of
+  two rows' lengths plus a token tree): its output and the new keys and values against
+  norm -> qkv_projection -> target.attention, inputs rounded as the TPU rounds them. A kernel
+  with RoPE's halves rotated the wrong way, a q/k norm on the wrong axis or with the other's
+  weight, the bias dropped, the query scale missing or the cache read past a row's length
+  differs."""
   cfg, lp, x, positions = _layer(CONFIGS[name], dtype)
   if 'q_norm' in lp:  # distinct q and k norm weights: swapping them must show
     lp = dict(lp, k_norm=lp['k_norm'] * 1.7)
   B, T, _ = x.shape
-  Hkv, Hg, hd = cfg.n_kv_heads, cfg.group, cfg.head_dim
+  Hkv, hd = cfg.n_kv_heads, cfg.head_dim
+  ks = jax.random.split(jax.random.key(11), 3)
+  S = 320
+  kv = {'k': jax.random.normal(ks[0], (B, Hkv, S, hd)),
+        'v': jax.random.normal(ks[1], (B, Hkv, S, hd))}
+  lengths = positions[:, 0]  # 5 and 300 cached tokens; slots past them hold noise
+  tree = jax.random.bernoulli(ks[2], 0.4, (B, T, T)) | jnp.eye(T, dtype=bool)
   h = _as_tpu_rounds(model_lib.rms_norm(x, lp['attn_norm'], cfg.norm_eps), lp['wqkv'].dtype)
   q, k, v = model_lib.qkv_projection(cfg, lp, h, positions)
-  want_q = (q.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, Hg * T, hd)
-            * hd**-0.5)
-  got_q, got_k, got_v = fused.qkv(x, lp, positions, eps=cfg.norm_eps, rope_base=cfg.rope_base,
-                                  rope_freq_factors=cfg.rope_freq_factors, interpret=True)
-  for got, want in ((got_q, want_q), (got_k, k.transpose(0, 2, 1, 3)),
-                    (got_v, v.transpose(0, 2, 1, 3))):
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  want = model_lib.attention(q, k, v, kv, lengths, tree)
+  got, got_k, got_v = fused.attention(x, lp, positions, kv, lengths, tree, eps=cfg.norm_eps,
+                                      rope_base=cfg.rope_base,
+                                      rope_freq_factors=cfg.rope_freq_factors, interpret=True)
+  heads = lambda a: a.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
+  for g, w in ((got, want), (heads(got_k), k), (heads(got_v), v)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * float(jnp.abs(w).max()))
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
@@ -105,11 +114,12 @@ def test_kernel_layer_equals_the_xla_layer_on_a_token_tree(name):
   for form, kw in ((model_lib._layer_xla, {}), (model_lib._layer_kernels, {'interpret': True})):
     ro_x, new = form(cfg, x, lp, kv, positions, lengths, tree, lengths, new_kv_only=True, **kw)
     np.testing.assert_allclose(ro_x, want_x, rtol=0, atol=2e-5 * float(jnp.abs(want_x).max()))
-    for name_ in ('k', 'v'):
-      assert new[name_].shape == (B, cfg.n_kv_heads, T, cfg.head_dim)
+    for name_ in ('k', 'v'):  # token by token: [B, T, Hkv, hd] (XLA) or [B, T, Hkv·hd]
+      assert new[name_].shape[:2] == (B, T) and new[name_].size == B * T * cfg.n_kv_heads * (
+          cfg.head_dim)
+      got = new[name_].reshape(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
       for b, n in enumerate((37, 250)):
-        np.testing.assert_allclose(new[name_][b], want_kv[name_][b, :, n:n + T], rtol=0,
-                                   atol=1e-4)
+        np.testing.assert_allclose(got[b], want_kv[name_][b, :, n:n + T], rtol=0, atol=1e-4)
 
 
 def test_fits_needs_lane_dense_heads_and_few_rows():
@@ -139,11 +149,11 @@ def _layer_program(devices, mesh_spec, T=8):
 
 
 def test_tpu_layers_take_the_kernels_and_cpu_layers_do_not():
-  """Compiled for a v5p chip a decoding layer is three Mosaic calls (q/k/v, attention, MLP);
+  """Compiled for a v5p chip a decoding layer is two Mosaic calls (its attention half, MLP);
   lowered for the CPU it has none (a choice made from the host's jax.default_backend() would
   give the TPU program the XLA form)."""
   text = _layer_program(tpu_devices('v5p:1x1x1'), 'data=1,model=1').compile().as_text()
-  assert text.count('custom_call_target="tpu_custom_call"') == 3
+  assert text.count('custom_call_target="tpu_custom_call"') == 2
   cpu = _layer_program(jax.devices('cpu'), 'data=1,model=1').as_text()
   assert 'tpu_custom_call' not in cpu
 
@@ -153,7 +163,7 @@ def test_kernels_compile_split_over_a_model_parallel_mesh():
   sums are reduced (an all-reduce of the rows' activations) and no weight is gathered."""
   compiled = _layer_program(tpu_devices('v5e:2x2'), 'data=1,model=4').compile()
   text = compiled.as_text()
-  assert text.count('custom_call_target="tpu_custom_call"') >= 3
+  assert text.count('custom_call_target="tpu_custom_call"') >= 2
   coll = C.collectives(text)
   assert not coll['weight_gathers'], coll
   assert coll['by_kind']['all-reduce']['count'] >= 1, coll

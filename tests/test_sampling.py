@@ -24,6 +24,24 @@ def test_argmax_equals_jnp_argmax(V, form):
   assert argmax(x).dtype == jnp.int32
 
 
+@pytest.mark.parametrize('form', ['confidence_and_argmax', '_confidence_and_argmax_reduction'])
+@pytest.mark.parametrize('temperature', [1.0, 0.6])
+def test_confidence_and_argmax_equal_their_definitions(form, temperature):
+  """max softmax(x / T) and the first argmax, in a CPU program's passes and in the one online
+  reduction other platforms take: rows with forbidden (-inf) tokens, ties, wide spreads."""
+  V = 3000
+  x = 4.0 * jax.random.normal(jax.random.PRNGKey(3), (3, 5, V))
+  x = x.at[0, :, :100].set(-jnp.inf)  # forbidden tokens
+  x = x.at[1, 2, 17].set(40.0).at[1, 2, 2500].set(40.0)  # a tie: the first one wins
+  x = x.at[2].set(jnp.round(x[2]))  # many ties
+  x = x.at[1, 4].multiply(30.0)  # a spread that overflows exp without the max
+  conf, pred = getattr(S, form)(x, temperature)
+  np.testing.assert_allclose(conf, jnp.max(jax.nn.softmax(x / temperature, axis=-1), axis=-1),
+                             rtol=2e-5)
+  np.testing.assert_array_equal(pred, jnp.argmax(x, axis=-1))
+  assert pred.dtype == jnp.int32
+
+
 def chi2_pooled(counts, p):
   """Chi-square over cells expected >= 5 times (the rest pooled), and its degrees of freedom."""
   n = counts.sum()

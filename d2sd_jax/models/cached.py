@@ -43,10 +43,12 @@ def block_for(slots: int) -> int:
   return slots
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc,
-            *, bk: int, n_blocks: int, T: int):
-  b, j = pl.program_id(0), pl.program_id(2)
-  length = len_ref[b]
+def flash_step(q_Rxhd, j, length, k_ref, v_ref, new_kv, bias_ref, o_ref, m_sc, l_sc, acc_sc, *,
+               bk: int, n_blocks: int, T: int):
+  """Grid step j of one (row, KV head)'s attention (the module docstring's steps), for this
+  kernel and for `fused.attention`'s: cache block j if it holds slots < length, and at the last
+  step the new tokens (`new_kv()`: their keys and values [T, hd], under bias_ref [1, R, T]) and
+  the output."""
   f32 = jnp.float32
   nt = (((1,), (1,)), ((), ()))  # q [R, hd] x k [n, hd] -> [R, n]
 
@@ -66,22 +68,37 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc,
                                                 preferred_element_type=f32)
     m_sc[...] = m_new
 
-  q = q_ref[0, 0]
-
   @pl.when(j * bk < length)
   def _context():
-    s = jax.lax.dot_general(q, k_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
+    s = jax.lax.dot_general(q_Rxhd, k_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
     slot = j * bk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
     update(jnp.where(slot < length, s, NEG), v_ref[0, 0])
 
   @pl.when(j == n_blocks - 1)
   def _new_tokens():
-    s = jax.lax.dot_general(q, kn_ref[0, 0].astype(f32), nt, preferred_element_type=f32)
-    update(s + bias_ref[0], vn_ref[0, 0])
+    k_new, v_new = new_kv()
+    s = jax.lax.dot_general(q_Rxhd, k_new.astype(f32), nt, preferred_element_type=f32)
+    update(s + bias_ref[0], v_new)
     out_Rxhd = acc_sc[...] / l_sc[...]
     hd = out_Rxhd.shape[-1]
     for g in range(out_Rxhd.shape[0] // T):  # query head g of the group: lanes g·hd.. of [T, Hg·hd]
       o_ref[0, :, g * hd:(g + 1) * hd] = out_Rxhd[g * T:(g + 1) * T].astype(o_ref.dtype)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc,
+            *, bk: int, n_blocks: int, T: int):
+  flash_step(q_ref[0, 0], pl.program_id(2), len_ref[pl.program_id(0)], k_ref, v_ref,
+             lambda: (kn_ref[0, 0], vn_ref[0, 0]), bias_ref, o_ref, m_sc, l_sc, acc_sc, bk=bk,
+             n_blocks=n_blocks, T=T)
+
+
+def cache_block_map(bk: int):
+  """The index map of a cache block at grid step (b, h, j): block j while it holds slots below
+  the row's length, else the last such block again (no new DMA)."""
+  def cache_block(b, h, j, len_ref):
+    last = jnp.maximum(pl.cdiv(len_ref[b], bk) - 1, 0)
+    return b, h, jnp.minimum(j, last), 0
+  return cache_block
 
 
 def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: bool, out_dtype):
@@ -90,10 +107,7 @@ def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: boo
   bk = block_for(S)
   n_blocks = S // bk
 
-  def cache_block(b, h, j, len_ref):
-    last = jnp.maximum(pl.cdiv(len_ref[b], bk) - 1, 0)
-    return b, h, jnp.minimum(j, last), 0
-
+  cache_block = cache_block_map(bk)
   whole = lambda b, h, j, len_ref: (b, h, 0, 0)
   itemsize = k_cache.dtype.itemsize
   cost = pl.CostEstimate(
@@ -160,23 +174,17 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B, tre
   # query rows per KV head ordered (Hg, T), as target._attend_window orders them
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
                   .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
-  return attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
-                     tree_mask_BxTxT, block_size, interpret)
+  bias_BxRxT = new_token_bias(tree_mask_BxTxT, B, T, Hg, block_size)
+  return attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
+                bias_BxRxT, interpret=interpret)
 
 
-def attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B,
-                tree_mask_BxTxT, block_size: int | None = None, interpret: bool = False,
-                out_dtype=jnp.float32):
-  """`attention` from queries already in `attend`'s layout and scale (`fused.qkv`'s):
-  [B, T, H·hd] float32."""
-  B, _, R, _ = q_BxHkvxRxhd.shape
-  T = k_new_BxHkvxTxhd.shape[2]
-  Hg = R // T
+def new_token_bias(tree_mask_BxTxT, B: int, T: int, Hg: int, block_size: int | None = None):
+  """[B, Hg·T, T] float32: 0 where query row (head g, token t) may see new token t', NEG where
+  not; from the tree mask, or blocks of `block_size` tokens seeing each other (drafter blocks)."""
   if block_size:
     if T % block_size:
       raise ValueError(f'{T} new tokens are not a whole number of blocks of {block_size}')
     block_T = jnp.arange(T) // block_size
     tree_mask_BxTxT = jnp.broadcast_to(block_T[:, None] == block_T[None, :], (B, T, T))
-  bias_BxRxT = jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, NEG)
-  return attend(q_BxHkvxRxhd, kv['k'], kv['v'], ctx_len_B, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd,
-                bias_BxRxT, interpret=interpret, out_dtype=out_dtype)
+  return jnp.where(jnp.tile(tree_mask_BxTxT, (1, Hg, 1)), 0.0, NEG)

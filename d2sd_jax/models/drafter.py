@@ -271,10 +271,8 @@ def denoise(dparams, dcfg: DrafterConfig, tparams, tcfg, tokens_BxQ, is_mask_BxQ
     probs = jax.nn.softmax(logits, axis=-1)
     if head_ids is not None:
       probs = jnp.zeros((B, Q, V), jnp.float32).at[:, :, head_ids].set(probs)
-    # max softmax(logits / T) = 1 / sum exp((logits - max) / T)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    conf = 1.0 / jnp.sum(jnp.exp((logits - top) / dcfg.confidence_temperature), axis=-1)
-    pred = sampling_lib.argmax(logits)
+    # max softmax(logits / T) and the argmax, in one reduction where it is fused (TPU, GPU)
+    conf, pred = sampling_lib.confidence_and_argmax(logits, dcfg.confidence_temperature)
     if head_ids is not None:
       pred = head_ids[pred]
     if steps == 1:

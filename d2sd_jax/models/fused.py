@@ -1,5 +1,6 @@
-"""A decoding layer's projections as Pallas TPU kernels: q/k/v with their norms and RoPE, and the
-MLP, each one kernel reading its weights once and its activations once.
+"""A decoding layer as two Pallas TPU kernels: its attention half (norm, q/k/v, q/k norms, RoPE
+and attention over the cache) and its MLP, each reading its weights once and its activations
+once.
 
 In a decoding program (an AR step, a verified tree, a drafter's block: a few rows of new tokens)
 a layer is memory-bound on its weights, and XLA splits what surrounds each matmul into passes
@@ -8,10 +9,14 @@ q/k norms, RoPE and the query layout read 28 MB per layer beyond the projection'
 MLP's gate/up output written and read back 26 MB beyond its 302 MB
 (benchmarks/tpu_layer_bytes.py). Here those passes happen in VMEM:
 
-  qkv  grid (row, KV head): the attention norm of the row's tokens, their projection onto the
-       KV head's Hg query heads, key and value ([Hg+2, hd, D] of `wqkv`), the q/k norms, RoPE
-       ('rotate half' as a lane roll), the queries scaled by 1/sqrt(hd) and laid out as
-       `cached.attend` reads them ([B, Hkv, Hg·T, hd]); keys and values in the cache's dtype.
+  attention  grid (row, KV head, cache blocks). At the first block: the attention norm of the
+       row's tokens, their projection onto the KV head's Hg query heads, key and value
+       ([Hg+2, hd, D] of `wqkv`), the q/k norms, RoPE ('rotate half' as a lane roll), the
+       queries scaled by 1/sqrt(hd) into VMEM, keys and values written out in the cache's
+       dtype, token by token ([B, T, Hkv·hd]: a verified tree's accepted path is a row
+       gather of them). Then `cached.flash_step`: the cache blocks in use, the new tokens
+       under their mask, the output in the output projection's layout. The queries (float32,
+       as many bytes as the rows) never leave VMEM.
   mlp  grid (core, F tiles): the MLP norm once into VMEM, then per tile of F the gate and up
        products, SiLU(gate) · up, and its product with the tile's `w_down` columns summed in
        VMEM, the residual with the first. The F tiles are split in two halves on a 'parallel'
@@ -19,11 +24,12 @@ MLP's gate/up output written and read back 26 MB beyond its 302 MB
 
 The values are the XLA forms' on a TPU: the matmuls take their inputs in the weights' dtype
 (what XLA does with float32 inputs at default precision) and accumulate in float32, every norm,
-RoPE and SiLU is float32 (tests/test_fused.py checks both kernels against `target.layer`'s XLA
-form through Pallas' interpreter). `target.layer` takes them in programs compiled for a TPU
-(`jax.lax.platform_dependent`) when `fits`: heads a multiple of 128 lanes and at most MAX_ROWS
-rows. Over a mesh they run per device (`shard_map`): rows over 'data', KV heads (qkv) or F (mlp)
-over 'model', the MLP's partial sums reduced over 'model' as XLA's own partitioning reduces them.
+RoPE, softmax and SiLU is float32 (tests/test_fused.py checks both kernels against
+`target.layer`'s XLA form through Pallas' interpreter). `target.layer` takes them in programs
+compiled for a TPU (`jax.lax.platform_dependent`) when `fits`: heads a multiple of 128 lanes and
+at most MAX_ROWS rows. Over a mesh they run per device (`shard_map`): rows over 'data', KV heads
+(attention) or F (mlp) over 'model', the MLP's partial sums reduced over 'model' as XLA's own
+partitioning reduces them.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from d2sd_jax.models import sharding
+from d2sd_jax.models import cached, sharding
 
 MAX_ROWS = 128  # new tokens per program (batch x T) the kernels hold in VMEM at once
 F_TILES = (512, 256, 128)  # columns of F per MLP step, the largest that divides F / cores
@@ -68,14 +74,11 @@ def rope_tables(positions_BxT, hd: int, base: float, freq_factors=None):
   return jnp.concatenate([cos, cos], -1), jnp.concatenate([-sin, sin], -1)
 
 
-def _qkv_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bias: bool):
-  if not has_bias:
-    refs = refs[:3] + (None,) + refs[3:]
-  x_ref, nw_ref, w_ref, b_ref, qn_ref, kn_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
+def _project(h, w_ref, b_ref, qn_ref, kn_ref, cos, sin, *, Hg: int, eps: float, qk_norm: bool):
+  """One KV head's group from the normed rows h [T, D] (in the weights' dtype): its Hg queries
+  (q norm, RoPE, 1/sqrt(hd)) as [Hg·T, hd] rows ordered (head, token), and its key (k norm,
+  RoPE) and value [T, hd], all float32."""
   f32 = jnp.float32
-  x = x_ref[0]  # [T, D] float32
-  h = _rms(x, nw_ref[...], eps).astype(w_ref.dtype)
-  cos, sin = cos_ref[0], sin_ref[0]  # [T, hd]
   hd = cos.shape[-1]
 
   def project(i):
@@ -87,80 +90,120 @@ def _qkv_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bias: boo
       y = _rms(y, norm_ref[...], eps)
     return y * cos + pltpu.roll(y, hd // 2, 1) * sin
 
-  for i in range(Hg):
-    q_ref[0, 0, i * T:(i + 1) * T, :] = norm_rope(project(i), qn_ref) * hd**-0.5
-  k_ref[0, 0] = norm_rope(project(Hg), kn_ref).astype(k_ref.dtype)
-  v_ref[0, 0] = project(Hg + 1).astype(v_ref.dtype)
+  q = jnp.concatenate([norm_rope(project(i), qn_ref) for i in range(Hg)], 0) * hd**-0.5
+  return q, norm_rope(project(Hg), kn_ref), project(Hg + 1)
 
 
-def _qkv_local(x, nw, w, bias, qn, kn, cos, sin, *, eps, qk_norm, cache_dtype, interpret):
+def _attention_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bias: bool,
+                      bk: int, n_blocks: int):
+  if not has_bias:
+    refs = refs[:4] + (None,) + refs[4:]
+  (len_ref, x_ref, nw_ref, w_ref, b_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
+   bias_ref, o_ref, k_ref, v_ref, q_sc, m_sc, l_sc, acc_sc) = refs
+  j = pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _qkv():  # this KV head's queries into VMEM, its key and value out (the attention reads them)
+    h = _rms(x_ref[0], nw_ref[...], eps).astype(w_ref.dtype)
+    q, k, v = _project(h, w_ref, b_ref, qn_ref, kn_ref, cos_ref[0], sin_ref[0], Hg=Hg, eps=eps,
+                       qk_norm=qk_norm)
+    q_sc[...] = q
+    k_ref[0] = k.astype(k_ref.dtype)
+    v_ref[0] = v.astype(v_ref.dtype)
+
+  cached.flash_step(q_sc[...], j, len_ref[pl.program_id(0)], kc_ref, vc_ref,
+                    lambda: (k_ref[0], v_ref[0]), bias_ref, o_ref, m_sc, l_sc, acc_sc, bk=bk,
+                    n_blocks=n_blocks, T=T)
+
+
+def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, tbias, *, eps,
+                     qk_norm, interpret, out_dtype):
   B, T, D = x.shape
   Hkv, G2, hd, _ = w.shape
-  Hg = G2 - 2
+  Hg, S = G2 - 2, k_cache.shape[2]
+  R = Hg * T
+  bk = cached.block_for(S)
+  n_blocks = S // bk
   f32 = jnp.float32
-  row = lambda b, h: (b, 0, 0)
-  const2 = lambda b, h: (0, 0)
+  row = lambda b, h, j, n: (b, 0, 0)
+  const2 = lambda b, h, j, n: (0, 0)
+  head = lambda b, h, j, n: (b, 0, h)  # KV head h's lanes of a token's row
   specs = [pl.BlockSpec((1, T, D), row), pl.BlockSpec((1, D), const2),
-           pl.BlockSpec((1, G2, hd, D), lambda b, h: (h, 0, 0, 0))]
+           pl.BlockSpec((1, G2, hd, D), lambda b, h, j, n: (h, 0, 0, 0))]
   args = [x, nw, w]
   if bias is not None:
-    specs.append(pl.BlockSpec((1, G2, hd), lambda b, h: (h, 0, 0)))
+    specs.append(pl.BlockSpec((1, G2, hd), lambda b, h, j, n: (h, 0, 0)))
     args.append(bias.astype(f32))
-  specs += [pl.BlockSpec((1, hd), const2)] * 2 + [pl.BlockSpec((1, T, hd), row)] * 2
-  args += [qn, kn, cos, sin]
-  head = lambda b, h: (b, h, 0, 0)
-  cbytes = jnp.dtype(cache_dtype).itemsize
-  kernel = functools.partial(_qkv_kernel, Hg=Hg, T=T, eps=eps, qk_norm=qk_norm,
-                             has_bias=bias is not None)
-  need = 4 * T * D + w[0].size * w.dtype.itemsize + 4 * Hg * T * hd + 4 * T * hd
+  cache_block = cached.cache_block_map(bk)
+  specs += ([pl.BlockSpec((1, hd), const2)] * 2 + [pl.BlockSpec((1, T, hd), row)] * 2
+            + [pl.BlockSpec((1, 1, bk, hd), cache_block)] * 2 + [pl.BlockSpec((1, R, T), row)])
+  args += [qn, kn, cos, sin, k_cache, v_cache, tbias]
+  cdtype = k_cache.dtype
+  cbytes, wbytes = cdtype.itemsize, w.dtype.itemsize
+  cores = min(Hkv, 2)  # row blocks repeat along the KV heads: fetched once per row and core
+  kernel = functools.partial(_attention_kernel, Hg=Hg, T=T, eps=eps, qk_norm=qk_norm,
+                             has_bias=bias is not None, bk=bk, n_blocks=n_blocks)
+  need = 4 * T * D + w[0].size * wbytes + 4 * bk * hd * cbytes + 4 * (2 * R * hd + R * T)
   return pl.pallas_call(
       kernel,
-      grid=(B, Hkv),
-      in_specs=specs,
-      out_specs=[pl.BlockSpec((1, 1, Hg * T, hd), head), pl.BlockSpec((1, 1, T, hd), head),
-                 pl.BlockSpec((1, 1, T, hd), head)],
-      out_shape=[jax.ShapeDtypeStruct((B, Hkv, Hg * T, hd), f32),
-                 jax.ShapeDtypeStruct((B, Hkv, T, hd), cache_dtype),
-                 jax.ShapeDtypeStruct((B, Hkv, T, hd), cache_dtype)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'parallel'),
-                                           vmem_limit_bytes=_vmem_limit(need)),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, Hkv, n_blocks), in_specs=specs,
+          out_specs=[pl.BlockSpec((1, T, Hg * hd), head), pl.BlockSpec((1, T, hd), head),
+                     pl.BlockSpec((1, T, hd), head)],
+          scratch_shapes=[pltpu.VMEM((R, hd), f32), pltpu.VMEM((R, 1), f32),
+                          pltpu.VMEM((R, 1), f32), pltpu.VMEM((R, hd), f32)]),
+      out_shape=[jax.ShapeDtypeStruct((B, T, Hkv * Hg * hd), out_dtype),
+                 jax.ShapeDtypeStruct((B, T, Hkv * hd), cdtype),
+                 jax.ShapeDtypeStruct((B, T, Hkv * hd), cdtype)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'parallel', 'arbitrary'),
+          vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
-          flops=2 * B * T * D * Hkv * G2 * hd, transcendentals=B * T * Hkv,
-          # x is fetched once per row and core (its block repeats along the KV heads)
-          bytes_accessed=(w.size * w.dtype.itemsize + B * min(Hkv, 2) * 4 * T * D
-                          + B * Hkv * T * hd * (4 * Hg + 2 * cbytes))),
+          flops=2 * B * T * D * Hkv * G2 * hd + 4 * B * Hkv * R * (S + T) * hd,
+          transcendentals=B * Hkv * (T + R * (S + T)),
+          # the weights; per row and core its rows, RoPE tables and new-token bias; the cache
+          # (at most all of it); the new K/V and the output written once
+          bytes_accessed=(w.size * wbytes + B * cores * 4 * (T * D + 2 * T * hd + R * T)
+                          + 2 * k_cache.size * cbytes + 2 * B * Hkv * T * hd * cbytes
+                          + B * T * Hkv * Hg * hd * jnp.dtype(out_dtype).itemsize)),
       interpret=interpret,
-  )(*args)
+  )(len_B.astype(jnp.int32), *args)
 
 
-def qkv(x_BxTxD, lp, positions_BxT, *, eps: float, rope_base: float, rope_freq_factors=None,
-        cache_dtype=jnp.float32, interpret: bool = False):
-  """The attention half's inputs from the residual stream x (float32 [B, T, D]):
-  queries [B, Hkv, Hg·T, hd] float32, RoPE applied and scaled by 1/sqrt(hd), rows ordered
-  (query head in group, token) as `cached.attend` reads them; keys and values [B, Hkv, T, hd]
-  in `cache_dtype`, RoPE on the keys. `lp`: the layer's attn_norm, wqkv, and where present
-  bqkv, q_norm, k_norm (target.py's layout)."""
+def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
+              block_size: int | None = None, *, eps: float, rope_base: float,
+              rope_freq_factors=None, interpret: bool = False, out_dtype=jnp.float32):
+  """A decoding layer's attention half up to the output projection, from the residual stream
+  x (float32 [B, T, D]): the attention norm, q/k/v (`lp`: attn_norm, wqkv, and where present
+  bqkv, q_norm, k_norm, as target.py lays them out), q/k norms and RoPE, and attention over the
+  first ctx_len_B cache slots of `kv` plus the new tokens under tree_mask_BxTxT (or blocks of
+  `block_size`), as `cached.attend` computes it. The queries stay in VMEM.
+
+  Returns (the attention output [B, T, H·hd] in `out_dtype`, heads in the output projection's
+  order; the new keys and values [B, T, Hkv·hd] in the cache's dtype, RoPE on the keys, token
+  by token as a verified tree's accepted path is gathered from them)."""
   w = lp['wqkv']
-  hd = w.shape[2]
+  B, T = positions_BxT.shape
+  hd, Hg = w.shape[2], w.shape[1] - 2
   f32 = jnp.float32
-  qk_norm = 'q_norm' in lp
   ones = jnp.ones((hd,), f32)
   cos, sin = rope_tables(positions_BxT, hd, rope_base, rope_freq_factors)
-  args = (x_BxTxD.astype(f32), lp['attn_norm'].astype(f32)[None], w, lp.get('bqkv'),
+  tbias = cached.new_token_bias(tree_mask_BxTxT, B, T, Hg, block_size)
+  args = (ctx_len_B, x_BxTxD.astype(f32), lp['attn_norm'].astype(f32)[None], w, lp.get('bqkv'),
           lp.get('q_norm', ones).astype(f32)[None], lp.get('k_norm', ones).astype(f32)[None],
-          cos, sin)
-  local = functools.partial(_qkv_local, eps=eps, qk_norm=qk_norm, cache_dtype=cache_dtype,
-                            interpret=interpret)
-  split = sharding.kernel_axes(x_BxTxD.shape[0], w.shape[0])
+          cos, sin, kv['k'], kv['v'], tbias)
+  local = functools.partial(_attention_local, eps=eps, qk_norm='q_norm' in lp,
+                            interpret=interpret, out_dtype=out_dtype)
+  split = sharding.kernel_axes(B, w.shape[0])
   if split:
     mesh, rows, heads = split
     P = jax.sharding.PartitionSpec
-    heads4 = P(rows, heads, None, None)
-    in_specs = (P(rows, None, None), P(), P(heads, None, None, None),
-                None if args[3] is None else P(heads, None, None), P(), P(),
-                P(rows, None, None), P(rows, None, None))
-    local = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(heads4,) * 3,
-                          check_vma=False)
+    heads4, row3 = P(rows, heads, None, None), P(rows, None, None)
+    in_specs = (P(rows), row3, P(), P(heads, None, None, None),
+                None if args[4] is None else P(heads, None, None), P(), P(), row3, row3,
+                heads4, heads4, row3)
+    local = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                          out_specs=(P(rows, None, heads),) * 3, check_vma=False)
   return local(*args)
 
 

@@ -428,9 +428,10 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   write_start_B: where the new tokens' K/V go in the cache (None: the cache is read-only, as in
   the drafters, whose block tokens are never cached).
   block_size, fresh: the structured forms of `attention` (tree_mask_BxTxT None).
-  new_kv_only: return the new tokens' K/V ({'k', 'v'}: [B, Hkv, T, hd] in the cache's dtype)
-  in place of the cache, which is only read (a verified tree: the accepted path's K/V are
-  written once acceptance is known, `speculative.compact_cache`).
+  new_kv_only: return the new tokens' K/V ({'k', 'v'} in the cache's dtype, token by token:
+  [B, T, Hkv, hd], or [B, T, Hkv·hd] where a TPU program may take the kernels) in place of
+  the cache, which is only read (a verified tree: the accepted path's K/V are written once
+  acceptance is known, `speculative.compact_cache`).
 
   Decoding (prefix lengths, a few rows: `fused.fits`) in a program compiled for a TPU takes
   the layer's Pallas form, `_layer_kernels`, the same law; everything else the XLA form.
@@ -441,9 +442,15 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
                           new_kv_only=new_kv_only)
   if fresh or ctx_mask.ndim != 1 or not fused.fits(B * T, cfg.head_dim, cfg.d_ff):
     return xla(*args)
+
+  def xla_as_kernels(*a):  # the kernels' layout of new K/V: both branches must match
+    x, new_kv = xla(*a)
+    if new_kv_only:
+      new_kv = jax.tree.map(lambda t: t.reshape(B, T, -1), new_kv)
+    return x, new_kv
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(_layer_kernels, cfg, block_size=block_size,
-                                   new_kv_only=new_kv_only), default=xla)
+                                   new_kv_only=new_kv_only), default=xla_as_kernels)
 
 
 def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT,
@@ -463,8 +470,10 @@ def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_
   # layer cache several times per step).
   attn_BxTxE = attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask,
                          tree_mask_BxTxT, block_size, fresh)
-  new_kv = ({'k': k_new_BxHkvxTxhd, 'v': v_new_BxHkvxTxhd} if new_kv_only else
-            _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B))
+  if new_kv_only:  # token by token, as the accepted path is gathered from them
+    new_kv = {'k': k_BxTxHkvxhd.astype(cdt), 'v': v_BxTxHkvxhd.astype(cdt)}
+  else:
+    new_kv = _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B)
   x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
 
   h = rms_norm(x_BxTxD, lp['mlp_norm'], cfg.norm_eps)
@@ -477,18 +486,19 @@ def _layer_xla(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_
 def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, tree_mask_BxTxT,
                    write_start_B=None, block_size: int | None = None, interpret: bool = False,
                    new_kv_only: bool = False):
-  """`layer` through the TPU kernels: q/k/v with norms and RoPE (`fused.qkv`), attention over
-  the cache (`cached.attend_rows`), the MLP (`fused.mlp`); the output projection and the cache
-  write as in the XLA form."""
-  q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd = fused.qkv(
-      x_BxTxD, lp, positions_BxT, eps=cfg.norm_eps, rope_base=cfg.rope_base,
-      rope_freq_factors=cfg.rope_freq_factors, cache_dtype=kv['k'].dtype, interpret=interpret)
+  """`layer` through the TPU kernels: the attention half up to the output projection
+  (`fused.attention`: norm, q/k/v, q/k norms, RoPE and attention over the cache in one kernel),
+  the MLP (`fused.mlp`); the output projection and the cache write as in the XLA form."""
   # (in the output projection's dtype: what its default-precision TPU matmul takes)
-  attn_BxTxE = cached.attend_rows(q_BxHkvxRxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv,
-                                  ctx_len_B, tree_mask_BxTxT, block_size, interpret,
-                                  out_dtype=lp['wo'].dtype)
-  new_kv = ({'k': k_new_BxHkvxTxhd, 'v': v_new_BxHkvxTxhd} if new_kv_only else
-            _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B))
+  attn_BxTxE, k_new_BxTxE, v_new_BxTxE = fused.attention(
+      x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT, block_size, eps=cfg.norm_eps,
+      rope_base=cfg.rope_base, rope_freq_factors=cfg.rope_freq_factors, interpret=interpret,
+      out_dtype=lp['wo'].dtype)
+  if new_kv_only:
+    new_kv = {'k': k_new_BxTxE, 'v': v_new_BxTxE}
+  else:
+    heads = lambda a: a.reshape(*a.shape[:2], -1, cfg.head_dim).transpose(0, 2, 1, 3)
+    new_kv = _write_after(kv, heads(k_new_BxTxE), heads(v_new_BxTxE), attn_BxTxE, write_start_B)
   x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
   return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret), new_kv
 
@@ -523,8 +533,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
     fresh: the cache holds nothing yet (prefill from cache_len 0, teacher features): causal
       attention among the new tokens only (`attention`), not against every empty slot.
     write_cache: False leaves the cache as it is and returns, in its place, the new tokens' K/V
-      per layer ({'k', 'v'}: [B, Hkv, T, hd] in the cache's dtype): a verified tree, whose
-      accepted path alone is written once acceptance is known.
+      per layer ({'k', 'v'} in the cache's dtype, token by token: `layer`'s new_kv_only):
+      a verified tree, whose accepted path alone is written once acceptance is known.
 
   Returns:
     (hidden_BxTxD after the final norm, updated cache (or the new K/V), features_BxTxLfxD or

@@ -232,7 +232,7 @@ class Verified:
   depth_BxT: jax.Array
   positions_BxT: jax.Array
   logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
-  new_kv: model_lib.Cache  # every node's K/V per layer ({'k', 'v'}: [B, Hkv, T, hd]), not cached
+  new_kv: model_lib.Cache  # every node's K/V per layer (`forward`'s write_cache=False), not cached
   features: jax.Array | None  # [B, T, Lf, D] target features of every node (drafter context)
 
 
@@ -294,8 +294,17 @@ def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, 
   new K/V) at consecutive slots cache_len + depth. Only the path's C nodes are read and
   written (not the tree's T), and the write depends on acceptance, so it follows every read of
   the old cache and XLA updates the cache in place."""
-  path = path_BxC[:, None, :, None]  # [B, 1, C, 1]
-  moved = lambda new_BxHkvxTxhd: jnp.take_along_axis(new_BxHkvxTxhd, path, axis=2, mode='clip')
+  B, C = path_BxC.shape
+  hd = cache[0]['k'].shape[-1]
+
+  def moved(new_BxTx_):  # the path's rows (token-major), then heads-major
+    if B == 1:  # C row slices: XLA costs a gather (and a TPU reads it) at its whole operand
+      rows = jnp.concatenate([jax.lax.dynamic_slice_in_dim(new_BxTx_, path_BxC[0, c], 1, 1)
+                              for c in range(C)], axis=1)
+    else:
+      at = path_BxC.reshape(B, C, *(1,) * (new_BxTx_.ndim - 2))
+      rows = jnp.take_along_axis(new_BxTx_, at, axis=1, mode='clip')
+    return rows.reshape(B, C, -1, hd).transpose(0, 2, 1, 3)
   return [{'k': model_lib.write_rows(kv['k'], moved(new['k']), cache_len_B),
            'v': model_lib.write_rows(kv['v'], moved(new['v']), cache_len_B)}
           for kv, new in zip(cache, new_kv)]
