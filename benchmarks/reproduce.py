@@ -1,6 +1,6 @@
 """One command for the papers' findings on this machine: JSON and PNG in results/.
 
-  python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,trees,scaling,pareto,calibration]
+  python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,trees,sampled,scaling,pareto,calibration]
       (--only reruns those sections and keeps the others from the existing JSON)
       [--drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2]
   python benchmarks/reproduce.py --markdown [--write]   # the tables, from results/*.json;
@@ -20,6 +20,10 @@ Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 
   packages), on held-out questions (the held-out records of data/distill-questions in the chat
   template) and on the prose chat set. tau, the trees' own expected tau (from their node
   scores), tokens/s, speed-up over AR in the same run; lossless.
+- sampled: the trees when sampling (SAMPLED: temperature 0.7, top-p 0.95, seed 0): ar, pld,
+  dflash, ddtree and d2sd_tree at TREE_BUDGET nodes on HumanEval chat and held-out code. tau,
+  tokens/s, speed-up over AR in the same run (outputs are draws of the target's law, not AR's
+  draws: the law tests check them).
 - scaling: gamma = 4 / 8 / 16 for prompt lookup (a diffusion drafter's gamma is fixed by its
   training: its gamma scaling needs one drafter trained per gamma, not done here), and d2sd at
   K = 1 / 2 / 4 branches (HumanEval chat).
@@ -53,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
-SECTIONS = ('ladder', 'trees', 'scaling', 'pareto', 'calibration')
+SECTIONS = ('ladder', 'trees', 'sampled', 'scaling', 'pareto', 'calibration')
 LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
 TREE_BUDGET = 16  # nodes verified per cycle by the budgeted rows, the anchor included
 # (row label, method, knobs): D²SD both with its own 36-node tree and cut to the same budget
@@ -62,6 +66,11 @@ TREES = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
          (f'd2sd(N={TREE_BUDGET})', 'd2sd', {'tree_budget': TREE_BUDGET}),
          ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}),
          ('auto', 'auto', {}))  # what method=auto picks, from the shipped priors (a fresh cache)
+# the trees when sampling: the settings users run (chat models' usual temperature and nucleus)
+SAMPLED = dict(temperature=0.7, top_p=0.95, seed=0)
+SAMPLED_RUNS = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
+                ('ddtree', 'ddtree', {'tree_budget': TREE_BUDGET}),
+                ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}))
 HELD_OUT_CODE = os.path.join(ROOT, 'data', 'distill-packages')
 HELD_OUT_QUESTIONS = os.path.join(ROOT, 'data', 'distill-questions')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
@@ -161,6 +170,27 @@ def trees(dec, n: int, tokens: int) -> dict:
                                                                          True), True),
           'prose_chat': (prose(n), True)}
   return lossless_rows(dec, 'trees', sets, TREES, tokens)
+
+
+def sampled(dec, n: int, tokens: int) -> dict:
+  """The trees at SAMPLED's temperature and top-p, on HumanEval chat and held-out code: tau,
+  tokens/s and speed-up over AR in the same run. Speculative sampling keeps the target's law,
+  not its draws, so outputs are not compared with AR's here (the law tests check the law:
+  tests/test_speculative.py, tests/test_trees.py)."""
+  sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
+          'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
+                                 False)}
+  out = {}
+  for name, (prompts, chat) in sets.items():
+    rows, ar_ms = [], None
+    for label, method, knobs in SAMPLED_RUNS:
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **SAMPLED,
+                       **knobs)
+      ar_ms = per_token_ms(g.stats) if method == 'ar' else ar_ms
+      rows.append(row_of(label, g.stats, ar_ms))
+      print(json.dumps({'sampled': name, **rows[-1]}), flush=True)
+    out[name] = rows
+  return out
 
 
 def scaling(dec, n: int, tokens: int) -> dict:
@@ -340,6 +370,14 @@ def markdown(out_dir: str) -> str:
         lines.append(f"| {label} | {r['tau']} | {r['expected_tau'] or '–'} | "
                      f"{r['tree_size'] or '–'} | {r['decode_tokens_per_s']} | "
                      f"{r['speedup_vs_ar']} |")
+    knobs = ', '.join(f'{k} {v}' for k, v in SAMPLED.items())
+    for name, rows in res.get('sampled', {}).items():
+      lines += [f'\nsampling ({knobs}), trees at {TREE_BUDGET} nodes, {name} '
+                f'({res["settings"]}) {_measured(res, "sampled")}:', '',
+                '| method | τ | expected τ (node scores) | tokens/s | speed-up vs AR |',
+                '|---|---|---|---|---|']
+      lines += [f"| {r['method']} | {r['tau']} | {r['expected_tau'] or '–'} | "
+                f"{r['decode_tokens_per_s']} | {r['speedup_vs_ar']} |" for r in rows]
     if 'scaling' in res:
       lines += ['', f'γ and K scaling, HumanEval chat {_measured(res, "scaling")}:', '',
                 '| knob | value | method | τ | tokens/s | speed-up vs AR | tree nodes |',
@@ -438,6 +476,8 @@ def main():
     results['ladder'] = ladder(dec, n, tokens, stage_times=not args.quick)
   if 'trees' in only:
     results['trees'] = trees(dec, n, tokens)
+  if 'sampled' in only:
+    results['sampled'] = sampled(dec, n, tokens)
   if 'scaling' in only:
     results['scaling'] = scaling(dec, n, tokens)
   if 'pareto' in only:

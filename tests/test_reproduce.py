@@ -109,6 +109,12 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
       tree = picked in ('ddtree', 'd2sd_tree')
       assert r['tree_size'] == reproduce.TREE_BUDGET if knobs else True
       assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
+  assert set(res['sampled']) == {'humaneval_chat', 'heldout_code_plain'}
+  for rows in res['sampled'].values():
+    assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.SAMPLED_RUNS]
+    assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
+    assert all((r['expected_tau'] is not None) == (r['method'] in ('ddtree', 'd2sd_tree'))
+               for r in rows)
   assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
   assert [r['n_branches'] for r in res['scaling']['branches']] == [1, 2, 4]
   points = res['pareto']['points']
@@ -122,6 +128,7 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
                       capture_output=True, text=True, timeout=600, check=True).stdout
   assert '| d2sd_pld |' in md and '| steps | λ |' in md and 'calibration:' in md
   assert 'best-first trees at 16 nodes, heldout_code_plain' in md and '| d2sd_tree |' in md
+  assert 'sampling (temperature 0.7, top_p 0.95, seed 0), trees at 16 nodes, humaneval_chat' in md
 
 
 def test_the_readme_and_results_page_hold_the_tables_the_command_prints():
