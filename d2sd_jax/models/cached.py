@@ -15,9 +15,12 @@ kernel streams the cache through VMEM block by block with an online softmax (fla
     the last step: s = q k_new^T + bias (0 where the new-token mask allows, else -max), one
       more update, and the output acc / l.
 
-Scores never leave VMEM; the cache is read once per (row, KV head). The compiler is told the
-kernel's cost (`pl.CostEstimate`) for a full cache, the most it reads. `interpret=True` runs it on
-a CPU (tests/test_cached.py checks it against the XLA form).
+Scores never leave VMEM; the cache is read once per (row, KV head). The steps (`flash_step`)
+are shared with `fused.attention`, which computes the queries inside the same kernel (a
+decoding layer that `fused.fits`); this kernel serves attention given its queries (the XLA
+layer's TPU form). The compiler is told the kernel's cost (`pl.CostEstimate`) for a full
+cache, the most it reads. `interpret=True` runs it on a CPU (tests/test_cached.py checks it
+against the XLA form).
 """
 from __future__ import annotations
 
