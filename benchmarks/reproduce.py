@@ -144,17 +144,20 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
       (m, m, {'stage_times': stage_times and m != 'ar'}) for m in LADDER], tokens)
 
 
-def lossless_rows(dec, section: str, sets: dict, runs, tokens: int) -> dict:
-  """Per prompt set, a row per run (label, method, knobs), the first 'ar'; any output that
-  differs from AR's stops the run."""
+def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=None) -> dict:
+  """Per prompt set, a row per run (label, method, knobs), the first 'ar'. Greedy (`sampling`
+  None), any output that differs from AR's stops the run; with `sampling` (temperature, top_p,
+  seed) outputs are draws of the target's law, not AR's draws, and are not compared (the law
+  tests check the law: tests/test_speculative.py, tests/test_trees.py)."""
   out = {}
   for name, (prompts, chat) in sets.items():
     rows, ar_ids, ar_ms = [], None, None
     for label, method, knobs in runs:
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **knobs)
+      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
+                       **(sampling or {}), **knobs)
       if method == 'ar':
         ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
-      elif g.ids != ar_ids:
+      elif sampling is None and g.ids != ar_ids:
         raise SystemExit(f'{label} on {name} changed the output: not lossless')
       rows.append(row_of(label, g.stats, ar_ms))
       print(json.dumps({section: name, **rows[-1]}), flush=True)
@@ -174,23 +177,11 @@ def trees(dec, n: int, tokens: int) -> dict:
 
 def sampled(dec, n: int, tokens: int) -> dict:
   """The trees at SAMPLED's temperature and top-p, on HumanEval chat and held-out code: tau,
-  tokens/s and speed-up over AR in the same run. Speculative sampling keeps the target's law,
-  not its draws, so outputs are not compared with AR's here (the law tests check the law:
-  tests/test_speculative.py, tests/test_trees.py)."""
+  tokens/s and speed-up over AR in the same run (outputs not compared: `lossless_rows`)."""
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
                                  False)}
-  out = {}
-  for name, (prompts, chat) in sets.items():
-    rows, ar_ms = [], None
-    for label, method, knobs in SAMPLED_RUNS:
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1, **SAMPLED,
-                       **knobs)
-      ar_ms = per_token_ms(g.stats) if method == 'ar' else ar_ms
-      rows.append(row_of(label, g.stats, ar_ms))
-      print(json.dumps({'sampled': name, **rows[-1]}), flush=True)
-    out[name] = rows
-  return out
+  return lossless_rows(dec, 'sampled', sets, SAMPLED_RUNS, tokens, sampling=SAMPLED)
 
 
 def scaling(dec, n: int, tokens: int) -> dict:

@@ -298,7 +298,7 @@ def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, 
   hd = cache[0]['k'].shape[-1]
 
   def moved(new_BxTx_):  # the path's rows (token-major), then heads-major
-    if B == 1:  # C row slices: XLA costs a gather (and a TPU reads it) at its whole operand
+    if B == 1:  # C row slices: XLA's cost model charges a gather its whole operand
       rows = jnp.concatenate([jax.lax.dynamic_slice_in_dim(new_BxTx_, path_BxC[0, c], 1, 1)
                               for c in range(C)], axis=1)
     else:
