@@ -133,7 +133,18 @@ def row_of(method: str, stats: dict, ar_ms: float) -> dict:
           'speedup_vs_ar': round(ar_ms / per_token_ms(stats), 3),
           'stage_ms': stats.get('stage_ms'), 'tree_size': stats.get('tree_size'),
           'expected_tau': stats.get('expected_tau'),  # best-first trees only
-          'auto_choice': stats.get('auto_choice')}  # method=auto: its pick (method[:nodes])
+          'auto_choice': stats.get('auto_choice'),  # method=auto: its first pick (method(knob))
+          'auto_parts': stats.get('auto_parts')}  # and which candidate decoded how many prompts
+
+
+def label_of(r: dict) -> str:
+  """A row's method, with what method=auto decoded: its pick, or each pick and its prompts."""
+  if not r.get('auto_choice'):
+    return r['method']
+  parts = r.get('auto_parts') or [{'choice': r['auto_choice']}]
+  if len(parts) == 1:
+    return f"{r['method']} → {parts[0]['choice']}"
+  return f"{r['method']} → " + ', '.join(f"{p['choice']} ×{p['prompts']}" for p in parts)
 
 
 def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
@@ -153,6 +164,8 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
   for name, (prompts, chat) in sets.items():
     rows, ar_ids, ar_ms = [], None, None
     for label, method, knobs in runs:
+      if method == 'auto':  # from the shipped priors: no choice remembered from another set
+        os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
       g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
                        **(sampling or {}), **knobs)
       if method == 'ar':
@@ -299,8 +312,7 @@ def headline(out_dir: str) -> str:
   with open(os.path.join(out_dir, 'reproduce.json')) as f:
     res = json.load(f)
   name, head = HEADLINE
-  row = lambda r: (f"| {r['method']}{' → ' + r['auto_choice'] if r.get('auto_choice') else ''} | "
-                   f"{r['tau']} | {r['decode_tokens_per_s']} | "
+  row = lambda r: (f"| {label_of(r)} | {r['tau']} | {r['decode_tokens_per_s']} | "
                    f"{r['speedup_vs_ar']} |")
   table = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '', *table]
@@ -357,8 +369,7 @@ def markdown(out_dir: str) -> str:
                 '| method | τ | expected τ (node scores) | tree nodes | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|---|']
       for r in rows:
-        label = r['method'] + (f" → {r['auto_choice']}" if r.get('auto_choice') else '')
-        lines.append(f"| {label} | {r['tau']} | {r['expected_tau'] or '–'} | "
+        lines.append(f"| {label_of(r)} | {r['tau']} | {r['expected_tau'] or '–'} | "
                      f"{r['tree_size'] or '–'} | {r['decode_tokens_per_s']} | "
                      f"{r['speedup_vs_ar']} |")
     knobs = ', '.join(f'{k} {v}' for k, v in SAMPLED.items())

@@ -128,8 +128,8 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   probed = []  # the prompts each probe decode got
   real_decode = runner_lib.decode_prompts
   monkeypatch.setattr(runner_lib, 'decode_prompts',
-                      lambda runner, tok, ids, *a: probed.append(len(ids)) or
-                      real_decode(runner, tok, ids, *a))
+                      lambda runner, tok, ids, *a, **k: probed.append(len(ids)) or
+                      real_decode(runner, tok, ids, *a, **k))
   target = loaders.load_target(tiny_folder)
   cfg = target.cfg
   dcfg = dataclasses.replace(TDCFG, gamma=4)
@@ -184,7 +184,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   probed.clear()
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 10)
   every = autoconfig.candidates
-  monkeypatch.setattr(autoconfig, 'candidates', lambda d: every(d)[:3])
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
   _, stats4 = generate_lib.generate(target, drafters, prompts,
                                 dataclasses.replace(base, method='auto', auto_refresh=True))
   assert stats4['auto_source'] == 'probed' and len(probed) == 2 * 3 + 1
@@ -208,8 +208,8 @@ def test_auto_on_prompts_of_different_lengths_equals_ar(tiny_folder, cost_cache,
               'drafter2': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(2)))}
   every = autoconfig.candidates  # AR, prompt lookup and D²SD: one of each kind of program
   monkeypatch.setattr(autoconfig, 'candidates',
-                      lambda d: [c for c in every(d) if c[0] in ('ar', 'pld(gamma=4)',
-                                                                'd2sd(K=1)')])
+                      lambda d, cap=0: [c for c in every(d, cap)
+                                        if c[0] in ('ar', 'pld(gamma=4)', 'd2sd(K=1)')])
   prompts = ['short one', 'a much longer prompt, ' * 4, 'in between: ' * 3, 'x']
   lens = [len(target.tokenizer.encode_prompt(p, False)) for p in prompts]
   assert lens[0] <= runner_lib.PROMPT_BUCKET < lens[1]  # the first probe prompt is narrower
@@ -298,58 +298,201 @@ def write_prior(path, target, drafters, taus_ratios: dict, batch: int = 1):
 
 def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, auto_choices,
                                                                   monkeypatch, tmp_path):
-  """With a prior for these drafters, auto probes nothing: it decodes with the candidate of
-  highest τ per AR step. The decode measures that candidate; the remembered choice moves to the
-  best prediction given the measurement, and the next request decodes with it. auto_probe
-  times every candidate instead. Every output equals AR's."""
+  """With a prior for these drafters, auto probes nothing: it decodes the first batch with the
+  candidate of highest τ per AR step. Each batch measures its candidate, and the next batch
+  decodes with the best prediction given the measurements; the next request starts from the
+  remembered choice. auto_probe times every candidate instead. Every output equals AR's."""
   target = loaders.load_target(tiny_folder)
   dcfg = dataclasses.replace(TDCFG, gamma=4)
   drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
   every = autoconfig.candidates
-  monkeypatch.setattr(autoconfig, 'candidates', lambda d: every(d)[:3])  # ar, pld, dflash
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])  # ar, pld, dflash
   # pld's prior τ is out of reach (gamma 4: at most 4 per cycle), dflash's just above it
   monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
       tmp_path / 'priors.json', target, drafters,
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)}))
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
+  # AR's step is not timed here (a tiny model's AR beats every candidate: nothing would move),
+  # and measurements add up whole (their recency weights: test_learn_... below)
+  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
+  monkeypatch.setattr(autoconfig, 'RECENCY', 1.0)
   calls = []
   real_decode = runner_lib.decode_prompts
-  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a: calls.append(
-      len(ids)) or real_decode(runner, tok, ids, *a))
+  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a, **k: calls.append(
+      len(ids)) or real_decode(runner, tok, ids, *a, **k))
+  prompts = ['abcabcabcabc', 'hello hello hello', 'abcabcabcabc']
+  base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
+  ar, _ = generate_lib.generate(target, drafters, prompts, base)
+  calls.clear()
+  out, stats = generate_lib.generate(target, drafters, prompts,
+                                     dataclasses.replace(base, method='auto'))
+  # AR's timing (1 token: no step), then a batch at a time: no probe
+  assert calls == [1, 1, 1, 1] and stats['auto_source'] == 'prior'
+  assert json.loads(open(stats['auto_file']).read())['measured']['ar']['decode_steps'] == 0
+  assert stats['auto_choice'] == 'pld(gamma=4)'  # the prior's choice decodes the first batch
+  assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
+  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
+  # pld measured far below its prior: the second prompt went to dflash, measured in its turn
+  parts = stats['auto_parts']
+  assert [p['choice'] for p in parts[:2]] == ['pld(gamma=4)', 'dflash'], parts
+  assert sum(p['prompts'] for p in parts) == 3 and stats['auto_learned']
+  record = json.loads(open(stats['auto_file']).read())
+  assert record['source'] == 'prior+measured'
+  table, measured = record['auto_candidates'], record['measured']
+  assert set(measured) == {p['choice'] for p in parts} | {'ar'}
+  assert table['pld(gamma=4)']['tau'] <= 4
+  measured.pop('ar')  # (no step timed)
+  for label, m in measured.items():
+    assert table[label]['tau'] == pytest.approx(m['decode_tokens'] / m['cycles'], abs=1e-3)
+    assert table[label]['cycle_ms'] == pytest.approx(1e3 * m['decode_s'] / m['decode_steps'],
+                                                     rel=1e-3)
+  assert sum(m['decode_tokens'] for m in measured.values()) == sum(
+      len(r['completion_ids']) - 1 for r in out)
+  assert stats['tau'] == pytest.approx(sum(m['decode_tokens'] for m in measured.values()) /
+                                       sum(m['cycles'] for m in measured.values()), abs=1e-3)
+  assert record['auto_choice'] == max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+  assert stats['method'] == table[parts[-1]['choice']]['method']
+  # the next request starts from the remembered choice and goes on measuring
+  calls.clear()
+  again, stats2 = generate_lib.generate(target, drafters, prompts,
+                                        dataclasses.replace(base, method='auto'))
+  assert calls == [1, 1, 1, 1] and stats2['auto_source'] == 'remembered'
+  assert stats2['auto_parts'][0]['choice'] == record['auto_choice']
+  assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
+  # auto_probe: every candidate decodes the prompts (the first warms up), then the request
+  calls.clear()
+  probed, stats3 = generate_lib.generate(target, drafters, prompts,
+                                         dataclasses.replace(base, method='auto',
+                                                             auto_probe=True))
+  assert stats3['auto_source'] == 'probed' and calls == [1, 2] * 3 + [3]
+  assert 'auto_parts' not in stats3
+  assert [r['completion_ids'] for r in probed] == [r['completion_ids'] for r in ar]
+
+
+def test_auto_times_the_ar_step_once_before_its_first_choice_from_a_prior(
+    tiny_folder, auto_choices, monkeypatch, tmp_path):
+  """The prior counts cycles in AR steps: before the first batch, auto times AR_TIMING_TOKENS
+  steps of AR on it (outputs dropped) and chooses with this machine's AR step; a remembered
+  record that has it does not time again. Outputs equal AR's. (What the timing does to the
+  predictions: test_learn_... below; a tiny target's timings are too close to call here.)"""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
+  every = autoconfig.candidates
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
+  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
+      tmp_path / 'priors.json', target, drafters,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.0, 1.0), 'dflash': (1.5, 1.0)}))
+  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 12)
+  calls = []
+  real_decode = runner_lib.decode_prompts
+  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a, **k: calls.append(
+      (len(ids), type(runner).__name__)) or real_decode(runner, tok, ids, *a, **k))
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
   calls.clear()
   out, stats = generate_lib.generate(target, drafters, prompts,
                                      dataclasses.replace(base, method='auto'))
-  assert calls == [2] and stats['auto_source'] == 'prior'  # the decode alone: no probe
-  assert stats['auto_choice'] == 'pld(gamma=4)' and stats['method'] == 'pld'
-  assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
-  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
-  assert stats['auto_learned']
+  assert len(calls) == 3 and calls[0] == (1, 'ARRunner') and stats['auto_ar_timing_s'] > 0
   record = json.loads(open(stats['auto_file']).read())
-  measured = record['measured']['pld(gamma=4)']
-  assert measured['tau'] == stats['tau'] <= 4 and record['source'] == 'prior+measured'
-  assert measured['cycle_ms'] == pytest.approx(1e3 * stats['decode_s'] / stats['decode_steps'],
-                                               rel=1e-3)
-  table = record['auto_candidates']
-  assert record['auto_choice'] == 'dflash' == max(
-      table, key=lambda k: table[k]['predicted_tokens_per_s'])
-  # the next request decodes with the refined choice, and measures it too
+  timed = record['measured']['ar']
+  assert timed['decode_steps'] == timed['cycles'] == timed['decode_tokens'] == 11  # (+ prefill's)
+  assert record['auto_candidates']['ar']['measured']
+  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert calls == [2] and stats2['auto_source'] == 'remembered' and stats2['method'] == 'dflash'
+  assert len(calls) == 2 and 'auto_ar_timing_s' not in stats2
+  assert json.loads(open(stats['auto_file']).read())['measured']['ar'] == timed
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
-  assert set(json.loads(open(stats['auto_file']).read())['measured']) == {'pld(gamma=4)',
-                                                                          'dflash'}
-  # auto_probe: every candidate decodes the prompts (the first warms up), then the request
-  calls.clear()
-  probed, stats3 = generate_lib.generate(target, drafters, prompts,
-                                         dataclasses.replace(base, method='auto',
-                                                             auto_probe=True))
-  assert stats3['auto_source'] == 'probed' and calls == [1, 1] * 3 + [2]
-  assert [r['completion_ids'] for r in probed] == [r['completion_ids'] for r in ar]
+
+
+def _prior_record(rows: dict) -> dict:
+  """A record as from_prior writes it: {label: (method, tau, cycle in AR steps)}."""
+  return {'version': autoconfig.RECORD_VERSION, 'source': 'prior', 'measured': {},
+          'auto_choice': max(rows, key=lambda k: rows[k][1] / rows[k][2]),
+          'predicted_tokens_per_s': None,
+          'auto_candidates': {k: {'method': m, 'spec': {}, 'tau': t, 'cycle_ar_steps': c}
+                              for k, (m, t, c) in rows.items()}}
+
+
+def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_ones_showed(
+    tmp_path):
+  """A drafter candidate measured below its prior lowers every unmeasured drafter candidate's
+  extra tokens by the same ratio (prompt lookup's and AR's stay), cycles follow the AR step the
+  measurement implies, and a decode too short to time accumulates without moving the choice."""
+  path = tmp_path / 'r.json'
+  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.7, 1.4), 'dflash': ('dflash', 1.7, 1.5),
+          'ddtree(N=4)': ('ddtree', 1.9, 1.2), 'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
+  path.write_text(json.dumps(_prior_record(rows)))
+  assert json.loads(path.read_text())['auto_choice'] == 'd2sd_tree(N=8)'
+  # AR timed alone (0.05 s a step): every cycle is its AR steps at that, the choice stays
+  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+                                     'decode_steps': 20}, 1, label='ar')
+  assert rec['auto_choice'] == 'd2sd_tree(N=8)' and rec['prompt_scale'] == 1.0
+  assert rec['auto_candidates']['pld']['cycle_ms'] == pytest.approx(1.4 * 50)
+  assert rec['auto_candidates']['ar']['predicted_tokens_per_s'] == pytest.approx(20)
+  short = {'decode_tokens': 10, 'cycles': 5, 'decode_s': 0.5, 'decode_steps': 5}
+  rec = autoconfig.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
+  assert rec['auto_choice'] == 'd2sd_tree(N=8)' and rec['measured']['d2sd_tree(N=8)'] == short
+  assert rec['auto_candidates']['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
+  # 35 cycles more at 0.1 s (the speculative AR step: 0.1 / 1.7 s); the earlier 5 weigh half
+  rec = autoconfig.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
+                                     'decode_steps': 35}, 1)
+  assert rec['measured']['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
+                                               'decode_s': 3.75, 'decode_steps': 37.5}
+  table, ar_s, tau = rec['auto_candidates'], 0.1 / 1.7, 67 / 37.5
+  scale = (tau - 1) / (3.1 - 1)
+  assert rec['prompt_scale'] == pytest.approx(scale, abs=1e-4)
+  assert table['d2sd_tree(N=8)']['tau'] == pytest.approx(tau, abs=1e-3)
+  assert table['ddtree(N=4)']['tau'] == pytest.approx(1 + 0.9 * scale, abs=1e-3)
+  assert table['dflash']['tau'] == pytest.approx(1 + 0.7 * scale, abs=1e-3)
+  assert table['pld']['tau'] == 1.7 and table['ar']['tau'] == 1.0
+  for label, (method, _, steps) in rows.items():
+    if method != 'ar':  # the speculative cycles measured set the unmeasured ones' AR step
+      assert table[label]['cycle_ms'] == pytest.approx(1e3 * steps * ar_s, rel=1e-3)
+  assert table['ar']['cycle_ms'] == pytest.approx(50)  # AR keeps its own timing
+  # pld 1.7 / (1.4 * 58.8 ms) = 20.6 tokens/s, AR 20, ddtree 1.34 / (1.2 * 58.8 ms) = 18.9
+  assert rec['auto_choice'] == 'pld' and rec['source'] == 'prior+measured'
+  # pld measured poorly on these prompts too: its measurement is its prediction, and the
+  # drafters' scale is unchanged by it
+  rec = autoconfig.learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
+                                     ar_s, 'decode_steps': 20}, 1)
+  table = rec['auto_candidates']
+  assert table['pld']['tau'] == pytest.approx(1.1) and rec['prompt_scale'] == pytest.approx(
+      scale, abs=1e-4)
+  assert rec['auto_choice'] == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
+  # a probed record is not the prior's to refine
+  path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
+  assert autoconfig.learn(str(path), short, 1) is None
+
+
+def test_a_requests_tree_budget_caps_autos_candidates(tiny_folder, tmp_path):
+  """With method=auto, spec.tree_budget is the most nodes a candidate may verify: the prior
+  still applies, candidates over the cap are not weighed, and the chosen one keeps its own
+  budget."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {n: (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(i)))
+              for i, n in enumerate(('drafter1', 'drafter2'))}
+  labels = [label for label, _, _ in autoconfig.candidates(drafters)]
+  taus = {label: (1.0 if label == 'ar' else 3.9 if label == 'd2sd_tree(N=64)' else 1.5, 1.2)
+          for label in labels}
+  path = write_prior(tmp_path / 'p.json', target, drafters, taus)
+  nodes = {label: autoconfig.nodes(m, k) for label, m, k in autoconfig.candidates(drafters)}
+  assert nodes['ar'] == 1 and nodes['dflash'] == 4 and nodes['d2sd(K=2)'] == 4 + 2 * 3
+  assert nodes['ddtree(N=12)'] == 12 and nodes['d2sd_tree(N=64)'] == 64
+  free = autoconfig.from_prior(target, drafters, options_lib.Options(method='auto'), 1, path)
+  assert free['auto_choice'] == 'd2sd_tree(N=64)'
+  capped = options_lib.Options(method='auto', spec={'tree_budget': 12})
+  rec = autoconfig.from_prior(target, drafters, capped, 1, path)
+  assert set(rec['auto_candidates']) == {k for k, n in nodes.items() if n <= 12}
+  assert 'd2sd(K=4)' not in rec['auto_candidates'] and 'ddtree(N=12)' in rec['auto_candidates']
+  chosen = autoconfig.chosen_options(capped, dict(rec, auto_choice='dflash'))
+  assert chosen.method == 'dflash' and 'tree_budget' not in chosen.spec
+  chosen = autoconfig.chosen_options(capped, dict(rec, auto_choice='ddtree(N=8)'))
+  assert chosen.spec['tree_budget'] == 8
 
 
 def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_folder,
@@ -365,7 +508,7 @@ def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_f
   other = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(7)))
   assert autoconfig.from_prior(target, {'drafter1': other}, options, 1, path) is None
   assert autoconfig.from_prior(target, {'drafter1': d1}, options, 2, path) is None
-  for changed in ({'temperature': 0.7}, {'spec': {'tree_budget': 16}}):
+  for changed in ({'temperature': 0.7}, {'spec': {'leniency': 0.1}}):
     assert autoconfig.from_prior(target, {'drafter1': d1},
                                  dataclasses.replace(options, **changed), 1, path) is None
   # the knobs a config file fixes at their defaults change nothing

@@ -105,8 +105,11 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
     assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.TREES]
     for r, (_, method, knobs) in zip(rows, reproduce.TREES):
       assert (r['auto_choice'] is not None) == (method == 'auto')
-      picked = r['auto_choice'].split('(')[0] if method == 'auto' else method
-      tree = picked in ('ddtree', 'd2sd_tree')
+      # auto: its picks, one per run of prompts it decoded (auto_parts)
+      picked = ([p['choice'].split('(')[0] for p in r['auto_parts']] if method == 'auto' else
+                [method])
+      assert method != 'auto' or sum(p['prompts'] for p in r['auto_parts']) == 3
+      tree = any(p in ('ddtree', 'd2sd_tree') for p in picked)
       assert r['tree_size'] == reproduce.TREE_BUDGET if knobs else True
       assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
   assert set(res['sampled']) == {'humaneval_chat', 'heldout_code_plain'}

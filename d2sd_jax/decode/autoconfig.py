@@ -9,11 +9,14 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
   remembered  a choice this machine made before for the same key (below), decoded at once;
   prior       the drafters' recorded acceptance and cycle costs (PRIORS: drafters/auto_priors.json,
               written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
-              cycle in AR steps, for a platform and batch). No probing: the choice takes
-              milliseconds. The decode then measures the chosen candidate's τ and cycle time
-              (`learn`): its own prediction becomes the measurement, the others' cycles are
-              rescaled by the AR step it implies, and the remembered choice moves to whichever
-              now predicts fastest, to be measured in its turn by the next request;
+              cycle in AR steps, for a platform and batch). No probing: this machine's AR step
+              is timed once (AR_TIMING_TOKENS steps), and the first batch decodes with the best
+              prediction. Every batch then teaches the next (`learn`): the chosen candidate's
+              measured τ and cycle time become its prediction, the others' cycles follow the AR
+              step the measured cycles imply, the drafter candidates' τ follow the ratio their
+              measured ones showed to the prior (the prompts are easier or harder for the
+              drafters), and the next batch, or the next request, decodes with whichever now
+              predicts fastest, measuring it in turn;
   probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
               candidate decodes the request's first PROBE_PROMPTS prompts for up to
               PROBE_TOKENS tokens (the first warms the programs up), and E[τ] and the cycle time
@@ -22,11 +25,13 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
 
 Acceptance depends on the prompts (prompt lookup thrives where the answer repeats the prompt,
 and its τ grows along a completion), so a prior measured on other prompts is a starting point;
-`learn` and `auto_probe` measure the request's own.
+`learn` and `auto_probe` measure the request's own. A request's spec.tree_budget caps the
+candidates' trees (the budget below it is auto's to choose).
 
-The stats report the choice (`auto_choice`), its source (`auto_source`), its prediction
-(`predicted_tokens_per_s`, or `predicted_tokens_per_ar_step` from a prior alone) and every
-candidate's figures (`auto_candidates`); `auto_reason` is the line printed to stderr.
+The stats report the first choice (`auto_choice`), its source (`auto_source`), its prediction
+(`predicted_tokens_per_s`, or `predicted_tokens_per_ar_step` from a prior alone), every
+candidate's figures (`auto_candidates`) and, where batches taught the choice, which candidate
+decoded how many prompts in turn (`auto_parts`); `auto_reason` is the line printed to stderr.
 
 The choice is remembered in a JSON file under ~/.cache/d2sd_jax/auto/ (D2SD_AUTO_CACHE
 overrides), keyed by everything the ranking depends on but the prompts' text: the device kind
@@ -43,12 +48,14 @@ import hashlib
 import json
 import os
 import time
+import types
 
 import jax
 import numpy as np
 
 from d2sd_jax import files
 from d2sd_jax.perf import costmodel
+from d2sd_jax.spec import drafting
 from d2sd_jax.spec import speculative as SP
 from d2sd_jax.perf import throughput
 from d2sd_jax.decode import options as options_lib
@@ -58,13 +65,21 @@ from d2sd_jax.formats import checkpoints
 PROBE_TOKENS = 128  # at most; the request's own max_new_tokens when smaller
 PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first warms up)
 MIN_PROBE_CYCLES = 8  # fewer probe cycles than this: the cost model's cycle time is used
+# AR steps timed before a choice from a prior decodes (once per remembered record): the prior's
+# cycles are in AR steps, and this machine's AR step at this context is what turns them into
+# time (the speculative cycles measured later rescale the other candidates)
+AR_TIMING_TOKENS = 32
+# learn: the weight of a candidate's earlier measurements when a batch adds a new one (0.5: the
+# last two batches count for three quarters)
+RECENCY = 0.5
 
 
 TREE_BUDGETS = (4, 8, 12, 16, 32, 64)  # nodes verified per cycle, the anchor included
 
 
-def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
-  """(label, method, spec knobs) of every configuration auto-config weighs."""
+def candidates(drafters: dict, max_nodes: int = 0) -> list[tuple[str, str, dict]]:
+  """(label, method, spec knobs) of every configuration auto-config weighs; with `max_nodes`
+  (a request's spec.tree_budget), only those that verify at most that many nodes per cycle."""
   gamma = drafters['drafter1'][0].gamma if 'drafter1' in drafters else 8
   out = [('ar', 'ar', {}), (f'pld(gamma={gamma})', 'pld', {'gamma': gamma})]
   if 'drafter1' in drafters:
@@ -82,7 +97,32 @@ def candidates(drafters: dict) -> list[tuple[str, str, dict]]:
       if 'drafter2' in drafters:
         out.append((f'd2sd_tree(N={n})', 'd2sd_tree', {'gamma': gamma, 'tree_budget': n,
                                                         'n_branches': min(4, gamma - 1)}))
-  return out
+  return [c for c in out if not max_nodes or nodes(c[1], c[2]) <= max_nodes]
+
+
+def nodes(method: str, knobs: dict) -> int:
+  """Nodes a candidate verifies per cycle, the anchor included (1 for AR)."""
+  if method == 'ar':
+    return 1
+  defaults = {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)
+              if f.default is not dataclasses.MISSING}
+  knobs = types.SimpleNamespace(**{**defaults, **knobs})
+  full = drafting.get(method).nodes(knobs)
+  return min(full, knobs.tree_budget) if knobs.tree_budget else full
+
+
+def node_cap(options) -> int:
+  """The request's node cap: with method='auto', spec.tree_budget bounds every candidate's tree
+  (the budget itself is auto's to choose), 0 for none."""
+  return options.spec.get('tree_budget') or 0
+
+
+def chosen_options(options, record: dict):
+  """The request's Options with the record's choice: its method and knobs (the request's own
+  knobs kept, but tree_budget, which was auto's cap)."""
+  best = record['auto_candidates'][record['auto_choice']]
+  spec = {k: v for k, v in options.spec.items() if k != 'tree_budget'}
+  return dataclasses.replace(options, method=best['method'], spec={**spec, **best['spec']})
 
 
 def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
@@ -95,19 +135,18 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
   path = os.path.join(choice_dir(), remembered_key(target, drafters, options, batch, longest)
                       + '.json')
   fresh = options.auto_refresh or options.auto_probe
-  record = None if fresh else _read_remembered(path, drafters, log)
+  record = None if fresh else _read_remembered(path, drafters, log, node_cap(options))
   source = 'remembered'
   if record is None and not options.auto_probe:
     record, source = from_prior(target, drafters, options, batch), 'prior'
   if record is None:
-    log(f'auto: probing {len(candidates(drafters))} configurations on this machine, once for '
-        f'these settings (minutes; an explicit method skips it); remembered in {path}')
+    log(f'auto: probing {len(candidates(drafters, node_cap(options)))} configurations on this '
+        f'machine, once for these settings (minutes; an explicit method skips it); remembered '
+        f'in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
   if source != 'remembered':
     files.write_json(path, record)
-  best = record['auto_candidates'][record['auto_choice']]
-  chosen = dataclasses.replace(options, method=best['method'],
-                               spec={**options.spec, **best['spec']})
+  chosen = chosen_options(options, record)
   reason = explain(record, source)
   log(reason)
   return chosen, {'auto_choice': record['auto_choice'],
@@ -156,9 +195,10 @@ def priors_path() -> str:
 
 def _defaults_only(spec: dict) -> bool:
   """Whether the request fixes no speculative knob away from SpecSettings' default (a prior is
-  recorded at the defaults, with each candidate's own gamma and K)."""
+  recorded at the defaults, with each candidate's own gamma, K and node budget; a request's
+  tree_budget only caps the candidates' trees)."""
   defaults = {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)}
-  return all(v is None or k in ('gamma', 'n_branches') or defaults.get(k) == v
+  return all(v is None or k in ('gamma', 'n_branches', 'tree_budget') or defaults.get(k) == v
              for k, v in spec.items())
 
 
@@ -193,7 +233,7 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
   if rec is None or 'ar' not in rec['candidates']:
     return None
   table, missing = {}, []
-  for label, method, knobs in candidates(drafters):
+  for label, method, knobs in candidates(drafters, node_cap(options)):
     if label not in rec['candidates']:  # measured by a later scripts/auto_priors.py run
       missing.append(label)
       continue
@@ -210,34 +250,79 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
           'not_in_prior': missing, 'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
 
 
-def learn(path: str, stats: dict, batch: int) -> dict | None:
-  """After a decode chosen from a prior: its measured τ and cycle time replace the chosen
-  candidate's prediction, the others' cycles are rescaled by the AR step that measurement
-  implies, and the remembered choice becomes whichever now predicts fastest (measured in its
-  turn by the next request). Decodes too short to time (< MIN_PROBE_CYCLES loop steps) teach
-  nothing. Returns the rewritten record, or None."""
-  if not os.path.exists(path) or stats.get('decode_steps', 0) < MIN_PROBE_CYCLES:
+def learn(path: str, measured: dict, batch: int, label: str | None = None) -> dict | None:
+  """After a decode (or one batch of a request) chosen from a prior: what it measured of the
+  chosen candidate, or of `label` (`measured`: decode_tokens, cycles, decode_s, decode_steps) is
+  added to that candidate's totals, the earlier ones weighed by RECENCY (acceptance follows the
+  prompts, which change), and the predictions are remade:
+
+  - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted by
+    its own totals: τ = tokens / cycles, cycle = decode_s / decode_steps;
+  - the others' cycles are their recorded AR steps times this machine's AR step, as the
+    measured speculative cycles imply it (weighted by their loop steps), or AR's own when none
+    is measured yet;
+  - the others' τ: a drafter's acceptance tells of the prompts, so every unmeasured candidate
+    that drafts with the drafters has its extra tokens (τ - 1) scaled by the ratio the drafter
+    candidate measured last shows (its measured τ - 1 over its prior's); prompt lookup's keeps
+    its prior until measured, as it depends on repetition, not on the drafters.
+
+  The remembered choice becomes whichever now predicts fastest: generate's next batch (or the
+  next request) decodes with it and measures it in turn. Returns the rewritten record, or None
+  when the record was probed (measured on the request's own prompts already)."""
+  if not os.path.exists(path):
     return None
   with open(path) as f:
     record = json.load(f)
   if record.get('source') not in ('prior', 'prior+measured'):
-    return None  # a probed record was measured on the request's own prompts already
-  label, table = record['auto_choice'], record['auto_candidates']
-  cycle_ms = 1e3 * stats['decode_s'] / stats['decode_steps']
-  record['measured'][label] = {'tau': stats.get('tau') or 1.0, 'cycle_ms': round(cycle_ms, 4),
-                               'decode_steps': stats['decode_steps']}
-  ar_ms = cycle_ms / table[label]['cycle_ar_steps']  # this machine's AR step, as implied
+    return None
+  table = record['auto_candidates']
+  label = label or record['auto_choice']
+  old = record['measured'].get(label)
+  record['measured'][label] = {k: measured[k] + (RECENCY * old[k] if old else 0)
+                               for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
+  if table[label]['method'] not in ('ar', 'pld'):
+    record['scale_from'] = label  # the drafters' latest word on these prompts
+  timed = {name: m for name, m in record['measured'].items()
+           if m['decode_steps'] >= MIN_PROBE_CYCLES}
+  if not timed:  # too short to time yet: the same choice goes on, measuring
+    files.write_json(path, record)
+    return record
+  for row in table.values():
+    row.setdefault('prior_tau', row['tau'])
+  cycled = {n: m for n, m in timed.items() if table[n]['method'] != 'ar'} or timed
+  ar_ms = (sum(1e3 * m['decode_s'] / table[n]['cycle_ar_steps'] for n, m in cycled.items()) /
+           sum(m['decode_steps'] for m in cycled.values()))
+  tau_of = {n: (m['decode_tokens'] / m['cycles'] if m['cycles'] else 1.0)
+            for n, m in timed.items()}
+  last = record.get('scale_from')
+  scale = ((tau_of[last] - 1) / (table[last]['prior_tau'] - 1)
+           if last in timed and table[last]['prior_tau'] > 1 else 1.0)
   for name, row in table.items():
-    got = record['measured'].get(name)
-    tau = got['tau'] if got else row['tau']
-    cycle = got['cycle_ms'] if got else row['cycle_ar_steps'] * ar_ms
-    row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=bool(got),
+    if name in timed:
+      m = timed[name]
+      tau, cycle = tau_of[name], 1e3 * m['decode_s'] / m['decode_steps']
+    else:
+      tau = row['prior_tau']
+      if row['method'] not in ('ar', 'pld'):
+        tau = 1.0 + (tau - 1.0) * scale
+      cycle = row['cycle_ar_steps'] * ar_ms
+    row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   record.update(auto_choice=best, predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
-                source='prior+measured')
+                source='prior+measured', prompt_scale=round(scale, 4))
   files.write_json(path, record)
   return record
+
+
+def ar_untimed(path: str) -> bool:
+  """Whether the remembered record of a choice from a prior has no timed AR step yet (generate
+  then times AR_TIMING_TOKENS steps of AR before the first batch)."""
+  with open(path) as f:
+    record = json.load(f)
+  return (record.get('source') in ('prior', 'prior+measured') and 'ar' in
+          record['auto_candidates'] and record['measured'].get('ar', {}).get(
+              'decode_steps', 0) < MIN_PROBE_CYCLES)
 
 
 def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
@@ -250,8 +335,9 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
   params = {'target': target.params, **{n: p for n, (_, p) in drafters.items()}}
   probe_settings = dataclasses.replace(settings,
                                        max_new_tokens=min(PROBE_TOKENS, options.max_new_tokens))
-  fixed = {k: v for k, v in options.spec.items() if v is not None}  # the request's own knobs
-  specs, cands = {}, candidates(drafters)
+  fixed = {k: v for k, v in options.spec.items()  # the request's own knobs (the cap is not one)
+           if v is not None and k != 'tree_budget'}
+  specs, cands = {}, candidates(drafters, node_cap(options))
   for label, method, knobs in cands:
     if method != 'ar':
       cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
@@ -311,7 +397,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
 # ----------------------------------------------------------------------------------------------
 # The remembered choice
 
-RECORD_VERSION = 2  # a record written under another version is chosen again
+RECORD_VERSION = 3  # a record written under another version is chosen again
 
 
 def choice_dir() -> str:
@@ -349,7 +435,7 @@ def remembered_key(target, drafters: dict, options, batch: int, longest: int) ->
   return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _read_remembered(path: str, drafters: dict, log) -> dict | None:
+def _read_remembered(path: str, drafters: dict, log, cap: int = 0) -> dict | None:
   """The record at `path` if it is whole and names a configuration still weighed, else None
   (with a line saying why, when a file was there)."""
   if not os.path.exists(path):
@@ -357,7 +443,7 @@ def _read_remembered(path: str, drafters: dict, log) -> dict | None:
   try:
     with open(path) as f:
       record = json.load(f)
-    weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters)}
+    weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters, cap)}
     table = record['auto_candidates']
     row = table[record['auto_choice']]
     stale = (record.get('version') != RECORD_VERSION or

@@ -7,6 +7,7 @@ JSON object of stats (timings exclude compilation):
   method, target, prompts, new_tokens, compile_s, prefill_s, decode_s, decode_tokens_per_s, ..."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -50,18 +51,60 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     # (its progress lines go to stderr: stdout carries the completions and the stats line)
     options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
                                             log=lambda line: print(line, file=sys.stderr))
-  settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
-  spec = options_lib.spec_fields(options, drafters)
-  # A runner's decode loop compiles for one batch shape: the batch is part of the key.
-  key = (options.method, settings, runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET), limit,
-         batch, tuple(sorted(spec.items())))
   runners = {} if runners is None else runners
-  if key not in runners:
-    runners[key] = runner_lib.make_runner(target, settings, options.method, longest, limit,
-                                          drafters, **spec)
-  runner = runners[key]
-  compiled_before = runner.compile_s
-  ids, st = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed)
+  # A choice from a prior (not from probes of these prompts) learns from every batch it decodes
+  # and may move to another candidate for the next batch (autoconfig.learn).
+  learns = bool(auto_stats) and auto_stats['auto_source'] != 'probed'
+  step = batch if learns else len(prompt_ids)
+  label = auto_stats.get('auto_choice')
+  compile_s = 0.0
+  if learns and autoconfig.ar_untimed(auto_stats['auto_file']):
+    # the prior counts cycles in AR steps: time this machine's (outputs dropped)
+    timing = dataclasses.replace(options, method='ar', max_new_tokens=min(
+        autoconfig.AR_TIMING_TOKENS, options.max_new_tokens))
+    runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
+    before = runner.compile_s
+    timed_ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids[:batch], batch, options.seed,
+                                             width=longest)
+    compile_s += runner.compile_s - before
+    tokens = sum(map(len, timed_ids)) - len(timed_ids)
+    record = autoconfig.learn(auto_stats['auto_file'], {
+        'decode_tokens': tokens, 'cycles': tokens, 'decode_s': t['decode_s'],
+        'decode_steps': t['decode_steps']}, batch, label='ar')
+    auto_stats['auto_ar_timing_s'] = round(t['prefill_s'] + t['decode_s'], 3)
+    if record['auto_choice'] != label:
+      label = record['auto_choice']
+      options = autoconfig.chosen_options(options, record)
+  ids, st, parts, budgeted_cycles = [], None, [], 0
+  for start in range(0, len(prompt_ids), step):
+    runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
+    before = runner.compile_s
+    part_ids, part = runner_lib.decode_prompts(runner, tok, prompt_ids[start:start + step], batch,
+                                               options.seed, width=longest, first_row=start)
+    compile_s += runner.compile_s - before
+    ids += part_ids
+    tokens = sum(map(len, part_ids)) - len(part_ids)  # the first of each row is the prefill's
+    if learns and options.method == 'ar':
+      part['cycles'] = tokens  # (an AR step commits one token)
+    st = part if st is None else runner_lib.add_stats(st, part)
+    if options.method != 'ar' and drafting.REGISTRY[options.method].budgeted:
+      budgeted_cycles += part['cycles']
+    if learns:
+      if parts and parts[-1]['choice'] == label:
+        parts[-1]['prompts'] += len(part_ids)
+      else:
+        parts.append({'choice': label, 'prompts': len(part_ids)})
+      record = autoconfig.learn(auto_stats['auto_file'], {
+          'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
+          'decode_steps': part['decode_steps']}, batch)
+      if record is not None and record['auto_choice'] != label and len(ids) < len(prompt_ids):
+        table = record['auto_candidates']
+        print(f"auto: after {len(ids)} prompts, {label} now predicts "
+              f"{table[label]['predicted_tokens_per_s']:.2f} tokens/s and "
+              f"{record['auto_choice']} predicts {record['predicted_tokens_per_s']:.2f}: "
+              'switching', file=sys.stderr)
+        label = record['auto_choice']
+        options = autoconfig.chosen_options(options, record)
   completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
                   'completion_ids': row} for p, row in zip(prompts, ids)]
   new_tokens = sum(len(row) for row in ids)
@@ -69,28 +112,45 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   decode_s, decode_steps = st['decode_s'], st['decode_steps']
   stats = {
       'method': options.method, 'prompts': len(prompts), 'batch_size': batch,
-      'new_tokens': new_tokens, 'compile_s': round(runner.compile_s - compiled_before, 3),
+      'new_tokens': new_tokens, 'compile_s': round(compile_s, 3),
       'prefill_s': round(st['prefill_s'], 4), 'decode_s': round(decode_s, 4),
       'decode_tokens_per_s': round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
       'decode_steps': decode_steps,
       'ms_per_decode_step': round(1e3 * decode_s / decode_steps, 3) if decode_steps else None,
   }
-  if options.method != 'ar':
-    # tau: tokens committed per verification cycle, bonus included (AR would be 1).
+  if options.method != 'ar' or st['cycles']:
+    # tau: tokens committed per verification cycle, bonus included (AR would be 1; AR's part of
+    # an auto request counts one cycle per token).
     cycles = st['cycles']
-    stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size, cycles=cycles,
-                 tau=round(decode_tokens / cycles, 3) if cycles else None,
-                 accepted_histogram=[int(h) for h in st['hist']])
-    if drafting.REGISTRY[options.method].budgeted and cycles:
-      # what the trees' own scores predicted τ to be: a check of their calibration
-      stats['expected_tau'] = round(1.0 + st['expected'] / cycles, 3)
+    stats.update(cycles=cycles, tau=round(decode_tokens / cycles, 3) if cycles else None)
+    if st['hist'] is not None:
+      stats['accepted_histogram'] = [int(h) for h in st['hist']]
+  if budgeted_cycles:
+    # what the trees' own scores predicted τ to be: a check of their calibration
+    stats['expected_tau'] = round(1.0 + st['expected'] / budgeted_cycles, 3)
+  if options.method != 'ar':
+    stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size)
     if options.stage_times:  # three more programs to compile: only on request
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
   stats.update(auto_stats)
-  if auto_stats and auto_stats['auto_source'] != 'probed':
-    # what this decode measured refines the remembered choice for the next request
-    stats['auto_learned'] = autoconfig.learn(auto_stats['auto_file'], stats, batch) is not None
+  if parts:
+    # what each batch measured refined the remembered choice (the next request starts there):
+    # which candidate decoded how many prompts, in order
+    stats.update(auto_learned=True, auto_parts=parts)
   return completions, stats
+
+
+def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict):
+  """The compiled runner of these options, made once per key (kept in `runners`)."""
+  settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
+  spec = options_lib.spec_fields(options, drafters)
+  # A runner's decode loop compiles for one batch shape: the batch is part of the key.
+  key = (options.method, settings, runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET), limit,
+         batch, tuple(sorted(spec.items())))
+  if key not in runners:
+    runners[key] = runner_lib.make_runner(target, settings, options.method, longest, limit,
+                                          drafters, **spec)
+  return runners[key]
 
 
 def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
@@ -151,13 +152,14 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
 
 
 def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
-                   width: int | None = None):
+                   width: int | None = None, first_row: int = 0):
   """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
   stats dict: prefill_s, decode_s, decode_steps, cycles, hist, expected, first_batch).
 
   Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
   prefill and one decode-loop program for the run, whatever the prompt lengths of each batch
-  (a caller decoding a request in parts passes the whole request's width)."""
+  (a caller decoding a request in parts passes the whole request's width, and the index of the
+  part's first prompt in the request, `first_row`, which seeds each row's sampling key)."""
   completions = []
   stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None,
            'expected': 0.0}
@@ -169,7 +171,7 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
     batch = [prompt_ids[r] for r in rows] + [prompt_ids[rows[0]]] * (B - len(rows))
     block, lens = ar.pad_prompts(batch, tok.pad_id, PROMPT_BUCKET, width)
     block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
-    keys = ar.row_keys(seed, rows + [rows[0]] * (B - len(rows)))
+    keys = ar.row_keys(seed, [first_row + r for r in rows + [rows[0]] * (B - len(rows))])
     if start == 0:
       stats['first_batch'] = (block, lens, keys)
     state, t_prefill, t_decode = runner(block, lens, keys)
@@ -184,3 +186,19 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
         stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
         stats['expected'] += float(row_expected[i])
   return completions, stats
+
+
+def add_stats(a: dict, b: dict) -> dict:
+  """decode_prompts' stats of two parts of one request, as one (the first part's first batch)."""
+  out = dict(a)
+  for k in ('prefill_s', 'decode_s', 'decode_steps', 'cycles', 'expected'):
+    out[k] = a[k] + b[k]
+  out['hist'] = b['hist'] if a['hist'] is None else a['hist'] if b['hist'] is None else (
+      _padded_sum(a['hist'], b['hist']))
+  return out
+
+
+def _padded_sum(x, y):
+  """Two acceptance histograms summed (methods of different gamma have different lengths)."""
+  n = max(len(x), len(y))
+  return np.pad(x, (0, n - len(x))) + np.pad(y, (0, n - len(y)))
