@@ -2,6 +2,8 @@
 
   python benchmarks/reproduce.py [--quick] [--out results] [--only ladder,trees,sampled,scaling,pareto,calibration]
       (--only reruns those sections and keeps the others from the existing JSON)
+      [--sets heldout_questions_chat,prose_chat]   (with --only trees and/or sampled: reruns
+      those prompt sets alone, each then with its own run record; the other sets are kept)
       [--drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2]
   python benchmarks/reproduce.py --markdown [--write]   # the tables, from results/*.json;
       --write puts them into docs/results.md and the headline table into README.md
@@ -21,7 +23,8 @@ Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 
   template) and on the prose chat set. tau, the trees' own expected tau (from their node
   scores), tokens/s, speed-up over AR in the same run; lossless.
 - sampled: the trees when sampling (SAMPLED: temperature 0.7, top-p 0.95, seed 0): ar, pld,
-  dflash, ddtree and d2sd_tree at TREE_BUDGET nodes on HumanEval chat and held-out code. tau,
+  dflash, ddtree and d2sd_tree at TREE_BUDGET nodes, and what method=auto decodes with (a fresh
+  choice cache per set), on HumanEval chat and held-out code. tau,
   tokens/s, speed-up over AR in the same run (outputs are draws of the target's law, not AR's
   draws: the law tests check them).
 - scaling: gamma = 4 / 8 / 16 for prompt lookup (a diffusion drafter's gamma is fixed by its
@@ -70,7 +73,8 @@ TREES = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
 SAMPLED = dict(temperature=0.7, top_p=0.95, seed=0)
 SAMPLED_RUNS = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
                 ('ddtree', 'ddtree', {'tree_budget': TREE_BUDGET}),
-                ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}))
+                ('d2sd_tree', 'd2sd_tree', {'tree_budget': TREE_BUDGET}),
+                ('auto', 'auto', {}))
 HELD_OUT_CODE = os.path.join(ROOT, 'data', 'distill-packages')
 HELD_OUT_QUESTIONS = os.path.join(ROOT, 'data', 'distill-questions')
 STOP = ('\ndef ', '\nclass ', '\nif __name__', '\nprint(', '\n#', '\nassert ')
@@ -156,45 +160,55 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
 
 
 def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=None) -> dict:
-  """Per prompt set, a row per run (label, method, knobs), the first 'ar'. Greedy (`sampling`
-  None), any output that differs from AR's stops the run; with `sampling` (temperature, top_p,
-  seed) outputs are draws of the target's law, not AR's draws, and are not compared (the law
-  tests check the law: tests/test_speculative.py, tests/test_trees.py)."""
+  """Per prompt set, a row per run (label, method, knobs), the first 'ar', and AR once more at
+  the end ('ar (end)'): every speed-up is against the mean of the two AR runs, and the two
+  rows show how far the machine's speed drifted meanwhile. Greedy (`sampling` None), any output
+  that differs from AR's stops the run; with `sampling` (temperature, top_p, seed) outputs are
+  draws of the target's law, not AR's draws, and are not compared (the law tests check the law:
+  tests/test_speculative.py, tests/test_trees.py)."""
   out = {}
   for name, (prompts, chat) in sets.items():
-    rows, ar_ids, ar_ms = [], None, None
-    for label, method, knobs in runs:
+    done, ar_ids = [], None
+    for label, method, knobs in (*runs, ('ar (end)', 'ar', {})):
       if method == 'auto':  # from the shipped priors: no choice remembered from another set
         os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
       g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
                        **(sampling or {}), **knobs)
       if method == 'ar':
-        ar_ids, ar_ms = g.ids, per_token_ms(g.stats)
+        ar_ids = ar_ids or g.ids
       elif sampling is None and g.ids != ar_ids:
         raise SystemExit(f'{label} on {name} changed the output: not lossless')
-      rows.append(row_of(label, g.stats, ar_ms))
-      print(json.dumps({section: name, **rows[-1]}), flush=True)
-    out[name] = rows
+      done.append((label, g.stats))
+      print(json.dumps({section: name, 'method': label, 'tau': g.stats.get('tau', 1.0),
+                        'decode_tokens_per_s': g.stats['decode_tokens_per_s']}), flush=True)
+    ar_ms = np.mean([per_token_ms(st) for label, st in done if label in ('ar', 'ar (end)')])
+    out[name] = [row_of(label, st, ar_ms) for label, st in done]
   return out
 
 
-def trees(dec, n: int, tokens: int) -> dict:
+def _pick(sets: dict, names) -> dict:
+  """The prompt sets named (all for None)."""
+  return sets if names is None else {k: v for k, v in sets.items() if k in names}
+
+
+def trees(dec, n: int, tokens: int, names=None) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
                                  False),
           'heldout_questions_chat': (spec_decode.held_out_record_prompts(HELD_OUT_QUESTIONS, n,
                                                                          True), True),
           'prose_chat': (prose(n), True)}
-  return lossless_rows(dec, 'trees', sets, TREES, tokens)
+  return lossless_rows(dec, 'trees', _pick(sets, names), TREES, tokens)
 
 
-def sampled(dec, n: int, tokens: int) -> dict:
+def sampled(dec, n: int, tokens: int, names=None) -> dict:
   """The trees at SAMPLED's temperature and top-p, on HumanEval chat and held-out code: tau,
   tokens/s and speed-up over AR in the same run (outputs not compared: `lossless_rows`)."""
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'heldout_code_plain': (spec_decode.held_out_record_prompts(HELD_OUT_CODE, n, False),
                                  False)}
-  return lossless_rows(dec, 'sampled', sets, SAMPLED_RUNS, tokens, sampling=SAMPLED)
+  return lossless_rows(dec, 'sampled', _pick(sets, names), SAMPLED_RUNS, tokens,
+                       sampling=SAMPLED)
 
 
 def scaling(dec, n: int, tokens: int) -> dict:
@@ -263,6 +277,7 @@ def plots(results: dict, out_dir: str) -> None:
   if 'ladder' in results:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
     for name, rows in results['ladder'].items():
+      rows = [r for r in rows if r['method'] != 'ar (end)']  # (the drift check: not a rung)
       axes[0].plot([r['method'] for r in rows], [r['tau'] for r in rows], 'o-', label=name)
       axes[1].plot([r['method'] for r in rows], [r['speedup_vs_ar'] for r in rows], 'o-',
                    label=name)
@@ -295,8 +310,9 @@ def run_record(argv: list[str]) -> dict:
           'command': ' '.join(['python benchmarks/reproduce.py', *argv]).strip()}
 
 
-def _measured(res: dict, section: str) -> str:
-  run = (res.get('runs') or {}).get(section)
+def _measured(res: dict, section: str, name: str | None = None) -> str:
+  runs = res.get('runs') or {}
+  run = runs.get(f'{section}:{name}', runs.get(section))  # a prompt set rerun alone (--sets)
   if run is None:
     return f'({section}: no run record)'
   return f"({section}: {run['date']}, {run['machine']}, `{run['command']}`)"
@@ -318,7 +334,8 @@ def headline(out_dir: str) -> str:
   lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '', *table]
   lines += [row(r) for r in res['ladder'][name]]
   if name in res.get('trees', {}):
-    lines += ['', f'best-first trees at {TREE_BUDGET} nodes, {name} {_measured(res, "trees")}:',
+    lines += ['', f'best-first trees at {TREE_BUDGET} nodes, {name} '
+              f'{_measured(res, "trees", name)}:',
               '', *table]
     lines += [row(r) for r in res['trees'][name]]
   return '\n'.join(lines)
@@ -365,7 +382,7 @@ def markdown(out_dir: str) -> str:
                      f"{r['speedup_vs_ar']} | {stages or '–'} |")
     for name, rows in res.get('trees', {}).items():
       lines += [f'\nbest-first trees at {TREE_BUDGET} nodes, {name} ({res["settings"]}) '
-                f'{_measured(res, "trees")}:', '',
+                f'{_measured(res, "trees", name)}:', '',
                 '| method | τ | expected τ (node scores) | tree nodes | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|---|']
       for r in rows:
@@ -375,10 +392,10 @@ def markdown(out_dir: str) -> str:
     knobs = ', '.join(f'{k} {v}' for k, v in SAMPLED.items())
     for name, rows in res.get('sampled', {}).items():
       lines += [f'\nsampling ({knobs}), trees at {TREE_BUDGET} nodes, {name} '
-                f'({res["settings"]}) {_measured(res, "sampled")}:', '',
+                f'({res["settings"]}) {_measured(res, "sampled", name)}:', '',
                 '| method | τ | expected τ (node scores) | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|']
-      lines += [f"| {r['method']} | {r['tau']} | {r['expected_tau'] or '–'} | "
+      lines += [f"| {label_of(r)} | {r['tau']} | {r['expected_tau'] or '–'} | "
                 f"{r['decode_tokens_per_s']} | {r['speedup_vs_ar']} |" for r in rows]
     if 'scaling' in res:
       lines += ['', f'γ and K scaling, HumanEval chat {_measured(res, "scaling")}:', '',
@@ -419,6 +436,23 @@ def sections_of(only: str) -> list[str]:
   return names
 
 
+PER_SET = ('trees', 'sampled')  # the sections --sets can rerun one prompt set at a time
+PROMPT_SETS = ('humaneval_chat', 'heldout_code_plain', 'heldout_questions_chat', 'prose_chat')
+
+
+def sets_of(sets: str, only: list[str]) -> list[str] | None:
+  """--sets' prompt set names (None: every set), checked against the sections run."""
+  names = [n for n in sets.split(',') if n]
+  if not names:
+    return None
+  if set(only) - set(PER_SET):
+    raise ValueError(f'--sets reruns prompt sets of {",".join(PER_SET)} only: use it with '
+                     f'--only {",".join(PER_SET)} or a part of it')
+  if set(names) - set(PROMPT_SETS):
+    raise ValueError(f'--sets {sets}: prompt sets are {",".join(PROMPT_SETS)}')
+  return names
+
+
 def kept_sections(path: str, only: list[str], settings: str, drafters: list[str]) -> dict:
   """What a run of the sections `only` starts from. A subset of SECTIONS keeps the existing JSON
   at `path` (the sections it reruns get overwritten) if that file was written with the same
@@ -445,6 +479,9 @@ def main():
   parser.add_argument('--only', default=','.join(SECTIONS),
                       help='comma-separated sections to run; the others are kept from the '
                       'existing JSON')
+  parser.add_argument('--sets', default='',
+                      help='comma-separated prompt sets of the trees and sampled sections to '
+                      'rerun (e.g. heldout_questions_chat,prose_chat); their other sets are kept')
   parser.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   parser.add_argument('--drafter2', default='drafters/smollm2-drafter2')
   parser.add_argument('--markdown', action='store_true')
@@ -467,19 +504,29 @@ def main():
   path = os.path.join(args.out, name)
   try:
     only = sections_of(args.only)
+    names = sets_of(args.sets, only)
   except ValueError as e:
     parser.error(str(e))
-  results = kept_sections(path, only, settings, [args.drafter1, args.drafter2])
+  # (--sets: every section is kept, and the sets rerun replace theirs)
+  results = kept_sections(path, only if names is None else [], settings,
+                          [args.drafter1, args.drafter2])
   record = run_record(sys.argv[1:])
-  results['runs'] = {**results.get('runs', {}), **{section: record for section in only}}
+  runs = results.setdefault('runs', {})
+  for section in only:
+    if names is None:  # the whole section: no set keeps a record of its own
+      for k in [k for k in runs if k.startswith(f'{section}:')]:
+        del runs[k]
+      runs[section] = record
   dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
   if 'ladder' in only:
     # (--quick: no per-stage times, 3 more programs per method to compile)
     results['ladder'] = ladder(dec, n, tokens, stage_times=not args.quick)
-  if 'trees' in only:
-    results['trees'] = trees(dec, n, tokens)
-  if 'sampled' in only:
-    results['sampled'] = sampled(dec, n, tokens)
+  for section, run in (('trees', trees), ('sampled', sampled)):
+    if section in only:
+      rows = run(dec, n, tokens, names)
+      results[section] = {**(results.get(section, {}) if names else {}), **rows}
+      if names:
+        runs.update({f'{section}:{name}': record for name in rows})
   if 'scaling' in only:
     results['scaling'] = scaling(dec, n, tokens)
   if 'pareto' in only:

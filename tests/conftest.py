@@ -71,6 +71,13 @@ def tiny():
   return TINY, tiny_params()
 
 
+@pytest.fixture
+def cost_cache(tmp_path, monkeypatch):
+  """The cost model's measurements (costmodel.measure) go to a folder of the test's own."""
+  monkeypatch.setenv('D2SD_COST_CACHE', str(tmp_path / 'costs'))
+  return tmp_path / 'costs'
+
+
 @pytest.fixture(autouse=True)
 def auto_choices(tmp_path, monkeypatch):
   """method='auto' remembers its choice on disk (autoconfig.choice_dir): every test gets an

@@ -82,6 +82,24 @@ def test_only_keeps_the_other_sections_of_a_run_with_the_same_settings(tmp_path)
       reproduce.sections_of(bad)
 
 
+def test_sets_reruns_prompt_sets_of_the_per_set_sections_with_their_own_record():
+  """--sets names prompt sets of trees/sampled only; a set rerun alone shows its own run record,
+  the others their section's."""
+  assert reproduce.sets_of('', ['trees']) is None
+  assert reproduce.sets_of('prose_chat,humaneval_chat', ['trees', 'sampled']) == [
+      'prose_chat', 'humaneval_chat']
+  with pytest.raises(ValueError, match='prompt sets are humaneval_chat,'):
+    reproduce.sets_of('prose', ['trees'])
+  with pytest.raises(ValueError, match='--sets reruns prompt sets of trees,sampled only'):
+    reproduce.sets_of('prose_chat', ['trees', 'ladder'])
+  whole = {'date': 'D1', 'machine': 'M', 'command': 'python benchmarks/reproduce.py'}
+  alone = {'date': 'D2', 'machine': 'M', 'command': 'python benchmarks/reproduce.py --sets x'}
+  res = {'runs': {'trees': whole, 'trees:prose_chat': alone}}
+  assert 'D2' in reproduce._measured(res, 'trees', 'prose_chat')
+  assert 'D1' in reproduce._measured(res, 'trees', 'humaneval_chat')
+  assert 'D1' in reproduce._measured(res, 'trees')
+
+
 @pytest.mark.slow
 def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   """`reproduce.py --quick` on SmolLM2 with the shipped drafters: every section in the JSON, the
@@ -97,12 +115,15 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   assert set(reproduce.SECTIONS) <= set(res) and res['settings'].startswith('3 prompts, 32')
   assert set(res['ladder']) == {'humaneval_chat', 'humaneval_plain', 'prose_chat'}
   for rows in res['ladder'].values():
-    assert [r['method'] for r in rows] == list(reproduce.LADDER)
+    assert [r['method'] for r in rows] == [*reproduce.LADDER, 'ar (end)']
     assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
   assert set(res['trees']) == {'humaneval_chat', 'heldout_code_plain', 'heldout_questions_chat',
                                 'prose_chat'}
   for rows in res['trees'].values():
-    assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.TREES]
+    assert [r['method'] for r in rows] == [l for l, _, _ in reproduce.TREES] + ['ar (end)']
+    # every speed-up is against the mean of the two AR runs' ms per token
+    assert 1 / rows[0]['speedup_vs_ar'] + 1 / rows[-1]['speedup_vs_ar'] == pytest.approx(
+        2.0, abs=5e-3)
     for r, (_, method, knobs) in zip(rows, reproduce.TREES):
       assert (r['auto_choice'] is not None) == (method == 'auto')
       # auto: its picks, one per run of prompts it decoded (auto_parts)
@@ -114,10 +135,12 @@ def test_quick_run_writes_every_section_and_the_tables(tmp_path):
       assert (r['expected_tau'] is not None) == tree and r['tau'] >= 1.0
   assert set(res['sampled']) == {'humaneval_chat', 'heldout_code_plain'}
   for rows in res['sampled'].values():
-    assert [r['method'] for r in rows] == [label for label, _, _ in reproduce.SAMPLED_RUNS]
+    assert [r['method'] for r in rows] == [l for l, _, _ in reproduce.SAMPLED_RUNS] + ['ar (end)']
     assert all(r['tau'] >= 1.0 and r['decode_tokens_per_s'] > 0 for r in rows)
-    assert all((r['expected_tau'] is not None) == (r['method'] in ('ddtree', 'd2sd_tree'))
-               for r in rows)
+    for r in rows:
+      picked = ([p['choice'].split('(')[0] for p in r['auto_parts']] if r['method'] == 'auto'
+                else [r['method']])
+      assert (r['expected_tau'] is not None) == any(p in ('ddtree', 'd2sd_tree') for p in picked)
   assert [r['gamma'] for r in res['scaling']['gamma']] == [4, 8, 16]
   assert [r['n_branches'] for r in res['scaling']['branches']] == [1, 2, 4]
   points = res['pareto']['points']

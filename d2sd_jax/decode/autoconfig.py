@@ -226,8 +226,10 @@ def prior_for(target, drafters: dict, batch: int, path: str | None = None) -> di
 
 def from_prior(target, drafters: dict, options, batch: int, path: str | None = None):
   """The record `choose` remembers, predicted from the drafters' prior alone (None where there
-  is no prior for every candidate, or the request changes what it measured: sampling, knobs)."""
-  if (options.temperature != 0 or not _defaults_only(options.spec)):
+  is no prior for every candidate, or the request changes what the candidates are: knobs such
+  as leniency or denoising steps). The prior was measured greedy; a sampling request starts
+  from it too, and its batches' measurements correct it (`learn`: sampling accepts less)."""
+  if not _defaults_only(options.spec):
     return None
   rec = prior_for(target, drafters, batch, path)
   if rec is None or 'ar' not in rec['candidates']:
@@ -315,14 +317,20 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
   return record
 
 
+def learns(path: str) -> bool:
+  """Whether the remembered record at `path` is a choice from the prior, which every batch
+  refines (`learn`), not one probed on a request's own prompts."""
+  with open(path) as f:
+    return json.load(f).get('source') in ('prior', 'prior+measured')
+
+
 def ar_untimed(path: str) -> bool:
   """Whether the remembered record of a choice from a prior has no timed AR step yet (generate
   then times AR_TIMING_TOKENS steps of AR before the first batch)."""
   with open(path) as f:
     record = json.load(f)
-  return (record.get('source') in ('prior', 'prior+measured') and 'ar' in
-          record['auto_candidates'] and record['measured'].get('ar', {}).get(
-              'decode_steps', 0) < MIN_PROBE_CYCLES)
+  return 'ar' in record['auto_candidates'] and record['measured'].get('ar', {}).get(
+      'decode_steps', 0) < MIN_PROBE_CYCLES
 
 
 def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,

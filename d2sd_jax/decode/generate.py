@@ -54,27 +54,18 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   runners = {} if runners is None else runners
   # A choice from a prior (not from probes of these prompts) learns from every batch it decodes
   # and may move to another candidate for the next batch (autoconfig.learn).
-  learns = bool(auto_stats) and auto_stats['auto_source'] != 'probed'
-  step = batch if learns else len(prompt_ids)
+  learns = bool(auto_stats) and autoconfig.learns(auto_stats['auto_file'])
   label = auto_stats.get('auto_choice')
   compile_s = 0.0
   if learns and autoconfig.ar_untimed(auto_stats['auto_file']):
     # the prior counts cycles in AR steps: time this machine's (outputs dropped)
-    timing = dataclasses.replace(options, method='ar', max_new_tokens=min(
-        autoconfig.AR_TIMING_TOKENS, options.max_new_tokens))
-    runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
-    before = runner.compile_s
-    timed_ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids[:batch], batch, options.seed,
-                                             width=longest)
-    compile_s += runner.compile_s - before
-    tokens = sum(map(len, timed_ids)) - len(timed_ids)
-    record = autoconfig.learn(auto_stats['auto_file'], {
-        'decode_tokens': tokens, 'cycles': tokens, 'decode_s': t['decode_s'],
-        'decode_steps': t['decode_steps']}, batch, label='ar')
-    auto_stats['auto_ar_timing_s'] = round(t['prefill_s'] + t['decode_s'], 3)
+    record, auto_stats['auto_ar_timing_s'], compile_s = _time_ar_step(
+        target, drafters, options, tok, prompt_ids[:batch], longest, limit, batch, runners,
+        auto_stats['auto_file'])
     if record['auto_choice'] != label:
       label = record['auto_choice']
       options = autoconfig.chosen_options(options, record)
+  step = batch if learns else len(prompt_ids)
   ids, st, parts, budgeted_cycles = [], None, [], 0
   for start in range(0, len(prompt_ids), step):
     runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
@@ -89,22 +80,22 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     st = part if st is None else runner_lib.add_stats(st, part)
     if options.method != 'ar' and drafting.REGISTRY[options.method].budgeted:
       budgeted_cycles += part['cycles']
-    if learns:
-      if parts and parts[-1]['choice'] == label:
-        parts[-1]['prompts'] += len(part_ids)
-      else:
-        parts.append({'choice': label, 'prompts': len(part_ids)})
-      record = autoconfig.learn(auto_stats['auto_file'], {
-          'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
-          'decode_steps': part['decode_steps']}, batch)
-      if record is not None and record['auto_choice'] != label and len(ids) < len(prompt_ids):
-        table = record['auto_candidates']
-        print(f"auto: after {len(ids)} prompts, {label} now predicts "
-              f"{table[label]['predicted_tokens_per_s']:.2f} tokens/s and "
-              f"{record['auto_choice']} predicts {record['predicted_tokens_per_s']:.2f}: "
-              'switching', file=sys.stderr)
-        label = record['auto_choice']
-        options = autoconfig.chosen_options(options, record)
+    if not learns:
+      continue
+    if parts and parts[-1]['choice'] == label:
+      parts[-1]['prompts'] += len(part_ids)
+    else:
+      parts.append({'choice': label, 'prompts': len(part_ids)})
+    record = autoconfig.learn(auto_stats['auto_file'], {
+        'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
+        'decode_steps': part['decode_steps']}, batch)
+    if record['auto_choice'] != label and len(ids) < len(prompt_ids):
+      print(f"auto: after {len(ids)} prompts, {label} now predicts "
+            f"{record['auto_candidates'][label]['predicted_tokens_per_s']:.2f} tokens/s and "
+            f"{record['auto_choice']} {record['predicted_tokens_per_s']:.2f}: switching",
+            file=sys.stderr)
+      label = record['auto_choice']
+      options = autoconfig.chosen_options(options, record)
   completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
                   'completion_ids': row} for p, row in zip(prompts, ids)]
   new_tokens = sum(len(row) for row in ids)
@@ -138,6 +129,22 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     # which candidate decoded how many prompts, in order
     stats.update(auto_learned=True, auto_parts=parts)
   return completions, stats
+
+
+def _time_ar_step(target, drafters, options, tok, prompt_ids, longest, limit, batch, runners,
+                  path):
+  """AR_TIMING_TOKENS steps of AR on one batch, taught to the remembered record at `path`:
+  (the record, the seconds it took, the seconds compiling)."""
+  timing = dataclasses.replace(options, method='ar', max_new_tokens=min(
+      autoconfig.AR_TIMING_TOKENS, options.max_new_tokens))
+  runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
+  before = runner.compile_s
+  ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest)
+  tokens = sum(map(len, ids)) - len(ids)
+  record = autoconfig.learn(path, {'decode_tokens': tokens, 'cycles': tokens,
+                                   'decode_s': t['decode_s'],
+                                   'decode_steps': t['decode_steps']}, batch, label='ar')
+  return record, round(t['prefill_s'] + t['decode_s'], 3), runner.compile_s - before
 
 
 def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict):
