@@ -193,31 +193,38 @@ def write_prior(path, target, drafters, taus_ratios: dict, batch: int = 1):
   return str(path)
 
 
+def _auto_with_prior(tiny_folder, monkeypatch, tmp_path, taus: dict):
+  """A tiny target and drafter 1 (gamma 4); auto weighs ar, pld and dflash, with the prior
+  `taus` ({label: (τ, cycle in AR steps)}); every decode_prompts call is recorded as (its
+  prompts, its runner's class). Returns (target, drafters, calls)."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
+  every = autoconfig.candidates
+  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
+  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(tmp_path / 'priors.json', target, drafters,
+                                                     taus))
+  calls, real_decode = [], runner_lib.decode_prompts
+  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a, **k: calls.append(
+      (len(ids), type(runner).__name__)) or real_decode(runner, tok, ids, *a, **k))
+  return target, drafters, calls
+
+
 def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, auto_choices,
                                                                   monkeypatch, tmp_path):
   """With a prior for these drafters, auto probes nothing: it decodes the first batch with the
   candidate of highest τ per AR step. Each batch measures its candidate, and the next batch
   decodes with the best prediction given the measurements; the next request starts from the
   remembered choice. auto_probe times every candidate instead. Every output equals AR's."""
-  target = loaders.load_target(tiny_folder)
-  dcfg = dataclasses.replace(TDCFG, gamma=4)
-  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
-  every = autoconfig.candidates
-  # ar, pld, dflash
-  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
   # pld's prior τ is out of reach (gamma 4: at most 4 per cycle), dflash's just above it
-  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
-      tmp_path / 'priors.json', target, drafters,
-      {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)}))
+  target, drafters, calls = _auto_with_prior(
+      tiny_folder, monkeypatch, tmp_path,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)})
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
   # AR's step is not timed here (a tiny model's AR beats every candidate: nothing would move),
   # and measurements add up whole (their recency weights: test_learn_... below)
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
   monkeypatch.setattr(autoconfig, 'RECENCY', 1.0)
-  calls = []
-  real_decode = runner_lib.decode_prompts
-  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a, **k: calls.append(
-      len(ids)) or real_decode(runner, tok, ids, *a, **k))
   prompts = ['abcabcabcabc', 'hello hello hello', 'abcabcabcabc']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -225,7 +232,7 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   out, stats = generate_lib.generate(target, drafters, prompts,
                                      dataclasses.replace(base, method='auto'))
   # AR's timing (1 token: no step), then a batch at a time: no probe
-  assert calls == [1, 1, 1, 1] and stats['auto_source'] == 'prior'
+  assert [n for n, _ in calls] == [1, 1, 1, 1] and stats['auto_source'] == 'prior'
   assert json.loads(open(stats['auto_file']).read())['measured']['ar']['decode_steps'] == 0
   assert stats['auto_choice'] == 'pld(gamma=4)'  # the prior's choice decodes the first batch
   assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
@@ -254,7 +261,7 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert calls == [1, 1, 1, 1] and stats2['auto_source'] == 'remembered'
+  assert [n for n, _ in calls] == [1, 1, 1, 1] and stats2['auto_source'] == 'remembered'
   assert stats2['auto_parts'][0]['choice'] == record['auto_choice']
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
   # auto_probe: every candidate decodes the prompts (the first warms up), then the request
@@ -262,7 +269,7 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   probed, stats3 = generate_lib.generate(target, drafters, prompts,
                                          dataclasses.replace(base, method='auto',
                                                              auto_probe=True))
-  assert stats3['auto_source'] == 'probed' and calls == [1, 2] * 3 + [3]
+  assert stats3['auto_source'] == 'probed' and [n for n, _ in calls] == [1, 2] * 3 + [3]
   assert 'auto_parts' not in stats3
   assert [r['completion_ids'] for r in probed] == [r['completion_ids'] for r in ar]
 
@@ -273,19 +280,10 @@ def test_auto_times_the_ar_step_once_before_its_first_choice_from_a_prior(
   steps of AR on it (outputs dropped) and chooses with this machine's AR step; a remembered
   record that has it does not time again. Outputs equal AR's. (What the timing does to the
   predictions: test_learn_... below; a tiny target's timings are too close to call here.)"""
-  target = loaders.load_target(tiny_folder)
-  dcfg = dataclasses.replace(TDCFG, gamma=4)
-  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
-  every = autoconfig.candidates
-  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
-  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
-      tmp_path / 'priors.json', target, drafters,
-      {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.0, 1.0), 'dflash': (1.5, 1.0)}))
+  target, drafters, calls = _auto_with_prior(
+      tiny_folder, monkeypatch, tmp_path,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.0, 1.0), 'dflash': (1.5, 1.0)})
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 12)
-  calls = []
-  real_decode = runner_lib.decode_prompts
-  monkeypatch.setattr(runner_lib, 'decode_prompts', lambda runner, tok, ids, *a, **k: calls.append(
-      (len(ids), type(runner).__name__)) or real_decode(runner, tok, ids, *a, **k))
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
