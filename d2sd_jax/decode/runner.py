@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import jax
-import numpy as np
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
@@ -189,16 +188,11 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
 
 
 def add_stats(a: dict, b: dict) -> dict:
-  """decode_prompts' stats of two parts of one request, as one (the first part's first batch)."""
+  """decode_prompts' stats of two parts of one request, as one (the first part's first batch;
+  the parts' methods share gamma, so their acceptance histograms add)."""
   out = dict(a)
   for k in ('prefill_s', 'decode_s', 'decode_steps', 'cycles', 'expected'):
     out[k] = a[k] + b[k]
   out['hist'] = b['hist'] if a['hist'] is None else a['hist'] if b['hist'] is None else (
-      _padded_sum(a['hist'], b['hist']))
+      a['hist'] + b['hist'])
   return out
-
-
-def _padded_sum(x, y):
-  """Two acceptance histograms summed (methods of different gamma have different lengths)."""
-  n = max(len(x), len(y))
-  return np.pad(x, (0, n - len(x))) + np.pad(y, (0, n - len(y)))
