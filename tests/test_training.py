@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from d2sd_jax.train import training
+from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -119,6 +120,46 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
   files = os.listdir(tmp_path / 'True' / 'features' / 'train')
   assert len(files) == 1 and files[0].startswith('features-') and files[0].endswith('.npy')
   assert not os.path.exists(tmp_path / 'False' / 'features')
+
+
+def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_path,
+                                                               monkeypatch):
+  """precompute_features killed part-way keeps the windows it finished; the next run computes
+  only the rest, and the file equals one computed in one go. A stale partial file (other
+  windows: another hash) is never read."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = training.drafter_config(tiny_config(tiny_folder, '', ''))
+  tokens = np.random.default_rng(0).integers(0, 90, (11, 12)).astype(np.int32)
+  whole = np.array(training.precompute_features(target, dcfg, tokens, str(tmp_path / 'whole'),
+                                                batch=2, progress=False))
+  monkeypatch.setattr(training, 'FEATURES_SAVE_EVERY', 4)
+  seen = []
+
+  def stops_after(n):
+    def iterate(it, **_):
+      for k, i in enumerate(it):
+        if k == n:
+          raise KeyboardInterrupt
+        seen.append(i)
+        yield i
+    return iterate
+
+  monkeypatch.setattr(training, 'tqdm', stops_after(5))  # killed in its 6th batch (window 10)
+  with pytest.raises(KeyboardInterrupt):
+    training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
+  names = sorted(os.listdir(tmp_path / 'cut'))
+  assert len(names) == 2 and names[0].endswith('.npy.partial') and names[1].endswith('.npy.rows')
+  assert (tmp_path / 'cut' / names[1]).read_text() == '8'  # the last save: windows 0..7
+  seen.clear()
+  monkeypatch.setattr(training, 'tqdm', stops_after(99))
+  resumed = training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
+  assert seen == [8, 10]  # only the windows not saved before
+  np.testing.assert_allclose(np.asarray(resumed), whole, rtol=1e-3, atol=1e-3)
+  assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith('.npy')] == []
+  # other windows: another file, computed from the start
+  seen.clear()
+  training.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
+  assert seen == [0, 2, 4, 6, 8, 10]
 
 
 @pytest.mark.slow

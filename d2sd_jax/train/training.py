@@ -43,6 +43,8 @@ from d2sd_jax.models import xla_options
 from d2sd_jax.formats.drafters import load_drafter
 
 KINDS = ('drafter1', 'drafter2')
+# precompute_features: windows between the saves of an interrupted pass's progress
+FEATURES_SAVE_EVERY = 64
 
 
 def drafter_config(config) -> drafter_lib.DrafterConfig:
@@ -232,7 +234,9 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
   (memory-mapped) that resumed runs reuse: on a CPU the teacher pass costs about as much as the
   drafter's whole training step, and every epoch would otherwise repeat it. The file name is a
   hash of the windows, the feature layers and the target's weights, so stale features are never
-  read."""
+  read. An interrupted pass resumes: the rows written so far stay in `<file>.partial`, with their
+  count in `<file>.rows` (written after the rows themselves are flushed), and the next run goes
+  on from there; the file takes its final name only when every row is in."""
   key = hashlib.sha256(tokens_NxL.tobytes() + repr(dcfg.feature_layers).encode() +
                        ckpt.target_fingerprint(target).encode()).hexdigest()[:16]
   path = os.path.join(directory, f'features-{key}.npy')
@@ -243,18 +247,44 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
     if feats.shape == (N, L, F):
       return feats
   os.makedirs(directory, exist_ok=True)
+  partial, done_path = path + '.partial', path + '.rows'
+  done = _rows_done(partial, done_path, (N, L, F))
+  if done:
+    out = np.load(partial, mmap_mode='r+')
+    print(f'target features: resuming {path} at window {done} of {N}', flush=True)
+  else:
+    out = np.lib.format.open_memmap(partial, mode='w+', dtype=np.float16, shape=(N, L, F))
   fn = jax.jit(lambda p, t: target_features(p, target.cfg, dcfg, t).astype(jnp.float16))
-  with files.replaced(path) as tmp:  # complete files only
-    out = np.lib.format.open_memmap(tmp, mode='w+', dtype=np.float16, shape=(N, L, F))
-    for i in tqdm(range(0, N, batch), desc='target features', mininterval=10,
-                  disable=not progress):
-      rows = tokens_NxL[i:i + batch]
-      pad = batch - len(rows)
-      rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
-      out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
-    out.flush()
-    del out
+  every = max(1, FEATURES_SAVE_EVERY // batch) * batch
+  for i in tqdm(range(done, N, batch), desc='target features', mininterval=10,
+                disable=not progress, initial=done // batch, total=-(-N // batch)):
+    rows = tokens_NxL[i:i + batch]
+    pad = batch - len(rows)
+    rows = np.concatenate([rows, np.repeat(rows[-1:], pad, 0)]) if pad else rows
+    out[i:i + batch] = np.asarray(fn(target.params, rows))[:batch - pad]
+    if (i + batch) % every == 0 and i + batch < N:
+      out.flush()
+      with files.replaced(done_path) as tmp, open(tmp, 'w') as f:
+        f.write(str(i + batch))
+  out.flush()
+  del out
+  os.replace(partial, path)
+  if os.path.exists(done_path):
+    os.remove(done_path)
   return np.load(path, mmap_mode='r')
+
+
+def _rows_done(partial: str, done_path: str, shape) -> int:
+  """How many rows an interrupted features pass left complete in `partial` (0: start over)."""
+  if not (os.path.exists(partial) and os.path.exists(done_path)):
+    return 0
+  try:
+    with open(done_path) as f:
+      done = int(f.read())
+    ok = np.load(partial, mmap_mode='r').shape == shape
+  except (OSError, ValueError):
+    return 0
+  return done if ok and 0 < done <= shape[0] else 0
 
 
 class Rows:
