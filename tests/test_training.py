@@ -1,10 +1,12 @@
 """train.py on tiny configs: loss goes down, exact resume, target mismatch and damaged checkpoints."""
+import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -117,8 +119,9 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
     c.train.precompute_features = pre
     runs[pre] = training.run(c)
   np.testing.assert_allclose(runs[True]['loss'], runs[False]['loss'], rtol=2e-3)
-  files = os.listdir(tmp_path / 'True' / 'features' / 'train')
-  assert len(files) == 1 and files[0].startswith('features-') and files[0].endswith('.npy')
+  files = sorted(os.listdir(tmp_path / 'True' / 'features' / 'train'))  # the file and its lock
+  assert len(files) == 2 and files[0].startswith('features-') and files[0].endswith('.npy')
+  assert files[1] == files[0] + '.lock'
   assert not os.path.exists(tmp_path / 'False' / 'features')
 
 
@@ -148,18 +151,47 @@ def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_
   with pytest.raises(KeyboardInterrupt):
     training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   names = sorted(os.listdir(tmp_path / 'cut'))
-  assert len(names) == 2 and names[0].endswith('.npy.partial') and names[1].endswith('.npy.rows')
-  assert (tmp_path / 'cut' / names[1]).read_text() == '8'  # the last save: windows 0..7
+  assert [n.split('.npy')[1] for n in names] == ['.lock', '.partial', '.rows']
+  assert (tmp_path / 'cut' / names[2]).read_text() == '8'  # the last save: windows 0..7
   seen.clear()
   monkeypatch.setattr(training, 'tqdm', stops_after(99))
   resumed = training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   assert seen == [8, 10]  # only the windows not saved before
   np.testing.assert_allclose(np.asarray(resumed), whole, rtol=1e-3, atol=1e-3)
-  assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith('.npy')] == []
+  assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith(('.npy', '.lock'))] == []
   # other windows: another file, computed from the start
   seen.clear()
   training.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
   assert seen == [0, 2, 4, 6, 8, 10]
+
+
+def test_a_features_pass_waits_for_another_computing_the_same_file(tiny_folder, tmp_path,
+                                                                   monkeypatch):
+  """Two runs sharing a features folder (drafter 2 reusing drafter 1's): while one holds the
+  file's lock, the other waits, then reads the finished file instead of computing it again."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = training.drafter_config(tiny_config(tiny_folder, '', ''))
+  tokens = np.random.default_rng(1).integers(0, 90, (3, 12)).astype(np.int32)
+  first = training.precompute_features(target, dcfg, tokens, str(tmp_path), progress=False)
+  path = next(p for p in tmp_path.iterdir() if p.suffix == '.npy')
+  (tmp_path / 'kept.npy').write_bytes(path.read_bytes())
+  path.unlink()  # as if a first run were still computing it, holding the lock
+  computed = []
+  compute = training._compute_features  # pylint: disable=protected-access
+  monkeypatch.setattr(training, '_compute_features', lambda *a: computed.append(a) or compute(*a))
+  result = {}
+  with open(str(path) + '.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    waiting = threading.Thread(target=lambda: result.update(feats=training.precompute_features(
+        target, dcfg, tokens, str(tmp_path), progress=False)))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive() and not path.exists()  # it waits, computing nothing
+    (tmp_path / 'kept.npy').rename(path)  # the first run's file, finished
+  waiting.join(30)
+  assert not waiting.is_alive()
+  np.testing.assert_array_equal(np.asarray(result['feats']), np.asarray(first))
+  assert not computed  # read, not computed again
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ target they were trained for. The step runs over a ('data', 'model') mesh (`d2sd
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -241,19 +242,40 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
                        ckpt.target_fingerprint(target).encode()).hexdigest()[:16]
   path = os.path.join(directory, f'features-{key}.npy')
   N, L = tokens_NxL.shape
-  F = len(dcfg.feature_layers) * target.cfg.d_model
+  shape = (N, L, len(dcfg.feature_layers) * target.cfg.d_model)
+  feats = _complete_features(path, shape)
+  if feats is not None:
+    return feats
+  os.makedirs(directory, exist_ok=True)
+  with open(path + '.lock', 'w') as lock:
+    # another run computing the same file (drafter 2 sharing drafter 1's features_dir) holds
+    # the lock: wait for it, then read its file
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    feats = _complete_features(path, shape)
+    if feats is None:
+      _compute_features(target, dcfg, tokens_NxL, path, shape, batch, progress)
+      feats = _complete_features(path, shape)
+  return feats
+
+
+def _complete_features(path: str, shape):
+  """The features file at `path`, memory-mapped, if it is complete and of this shape."""
   if os.path.exists(path):
     feats = np.load(path, mmap_mode='r')
-    if feats.shape == (N, L, F):
+    if feats.shape == shape:
       return feats
-  os.makedirs(directory, exist_ok=True)
+  return None
+
+
+def _compute_features(target, dcfg, tokens_NxL, path: str, shape, batch: int, progress: bool):
+  N = shape[0]
   partial, done_path = path + '.partial', path + '.rows'
-  done = _rows_done(partial, done_path, (N, L, F))
+  done = _rows_done(partial, done_path, shape)
   if done:
     out = np.load(partial, mmap_mode='r+')
     print(f'target features: resuming {path} at window {done} of {N}', flush=True)
   else:
-    out = np.lib.format.open_memmap(partial, mode='w+', dtype=np.float16, shape=(N, L, F))
+    out = np.lib.format.open_memmap(partial, mode='w+', dtype=np.float16, shape=shape)
   fn = jax.jit(lambda p, t: target_features(p, target.cfg, dcfg, t).astype(jnp.float16))
   every = max(1, FEATURES_SAVE_EVERY // batch) * batch
   for i in tqdm(range(done, N, batch), desc='target features', mininterval=10,
@@ -271,7 +293,6 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
   os.replace(partial, path)
   if os.path.exists(done_path):
     os.remove(done_path)
-  return np.load(path, mmap_mode='r')
 
 
 def _rows_done(partial: str, done_path: str, shape) -> int:
