@@ -12,11 +12,12 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
               cycle in AR steps, for a platform and batch). No probing: this machine's AR step
               is timed once (AR_TIMING_TOKENS steps), and the first batch decodes with the best
               prediction. Every batch then teaches the next (`learn`): the chosen candidate's
-              measured τ and cycle time become its prediction, the others' cycles follow the AR
-              step the measured cycles imply, the drafter candidates' τ follow the ratio their
-              measured ones showed to the prior (the prompts are easier or harder for the
-              drafters), and the next batch, or the next request, decodes with whichever now
-              predicts fastest, measuring it in turn;
+              measured τ and cycle time become its prediction, the other drafter candidates'
+              cycles follow the AR step the measured ones imply (prompt lookup's follow AR's
+              own), the drafter candidates' τ follow the ratio their measured ones showed to
+              the prior (the prompts are easier or harder for the drafters), and the next
+              batch, or the next request, decodes with whichever now predicts fastest,
+              measuring it in turn;
   probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
               candidate decodes the request's first PROBE_PROMPTS prompts for up to
               PROBE_TOKENS tokens (the first warms the programs up), and E[τ] and the cycle time
@@ -260,9 +261,11 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
 
   - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted by
     its own totals: τ = tokens / cycles, cycle = decode_s / decode_steps;
-  - the others' cycles are their recorded AR steps times this machine's AR step, as the
-    measured speculative cycles imply it (weighted by their loop steps), or AR's own when none
-    is measured yet;
+  - the others' cycles are their recorded AR steps times this machine's AR step: for a
+    drafter candidate, the one the measured drafter candidates' cycles imply (weighted by their
+    loop steps; the prior's relative costs of the trees can be off on another machine, and the
+    drafter candidates share them), for prompt lookup (which drafts nothing) AR's own timing,
+    each falling back to whatever is measured;
   - the others' τ: a drafter's acceptance tells of the prompts, so every unmeasured candidate
     that drafts with the drafters has its extra tokens (τ - 1) scaled by the ratio the drafter
     candidate measured last shows (its measured τ - 1 over its prior's); prompt lookup's keeps
@@ -291,9 +294,16 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
     return record
   for row in table.values():
     row.setdefault('prior_tau', row['tau'])
-  cycled = {n: m for n, m in timed.items() if table[n]['method'] != 'ar'} or timed
-  ar_ms = (sum(1e3 * m['decode_s'] / table[n]['cycle_ar_steps'] for n, m in cycled.items()) /
-           sum(m['decode_steps'] for m in cycled.values()))
+  def ar_step_ms(names):  # the AR step (ms) that these measured candidates' cycles imply
+    return (sum(1e3 * timed[n]['decode_s'] / table[n]['cycle_ar_steps'] for n in names) /
+            sum(timed[n]['decode_steps'] for n in names))
+  kind = lambda n: {'ar': 'ar', 'pld': 'pld'}.get(table[n]['method'], 'drafters')
+  by_kind = {k: [n for n in timed if kind(n) == k] for k in ('ar', 'pld', 'drafters')}
+  spec = by_kind['pld'] + by_kind['drafters']
+  # a drafter candidate's cycle follows what the drafter candidates measured cost here; prompt
+  # lookup drafts nothing (its cycle is a verification), so it follows AR's own step
+  step_of = {'drafters': ar_step_ms(by_kind['drafters'] or spec or by_kind['ar']),
+             'pld': ar_step_ms(by_kind['ar'] or spec)}
   tau_of = {n: (m['decode_tokens'] / m['cycles'] if m['cycles'] else 1.0)
             for n, m in timed.items()}
   last = record.get('scale_from')
@@ -307,7 +317,7 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
       tau = row['prior_tau']
       if row['method'] not in ('ar', 'pld'):
         tau = 1.0 + (tau - 1.0) * scale
-      cycle = row['cycle_ar_steps'] * ar_ms
+      cycle = row['cycle_ar_steps'] * step_of.get(kind(name), step_of['pld'])
     row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
