@@ -128,7 +128,7 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
 def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_path,
                                                                monkeypatch):
   """precompute_features killed part-way keeps the windows it finished; the next run computes
-  only the rest, and the file equals one computed in one go. A stale partial file (other
+  only the rest, and the file equals one computed in one go. Another run's partial file (other
   windows: another hash) is never read."""
   target = loaders.load_target(tiny_folder)
   dcfg = training.drafter_config(tiny_config(tiny_folder, '', ''))
@@ -155,14 +155,14 @@ def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_
   assert (tmp_path / 'cut' / names[2]).read_text() == '8'  # the last save: windows 0..7
   seen.clear()
   monkeypatch.setattr(training, 'tqdm', stops_after(99))
+  # other windows in the same folder: another file, computed from the start
+  training.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
+  assert seen == [0, 2, 4, 6, 8, 10]
+  seen.clear()
   resumed = training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   assert seen == [8, 10]  # only the windows not saved before
   np.testing.assert_allclose(np.asarray(resumed), whole, rtol=1e-3, atol=1e-3)
   assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith(('.npy', '.lock'))] == []
-  # other windows: another file, computed from the start
-  seen.clear()
-  training.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
-  assert seen == [0, 2, 4, 6, 8, 10]
 
 
 def test_a_features_pass_waits_for_another_computing_the_same_file(tiny_folder, tmp_path,
