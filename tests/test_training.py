@@ -119,9 +119,8 @@ def test_precomputed_features_train_like_in_step_features(tiny_folder, distill_d
     c.train.precompute_features = pre
     runs[pre] = training.run(c)
   np.testing.assert_allclose(runs[True]['loss'], runs[False]['loss'], rtol=2e-3)
-  files = sorted(os.listdir(tmp_path / 'True' / 'features' / 'train'))  # the file and its lock
-  assert len(files) == 2 and files[0].startswith('features-') and files[0].endswith('.npy')
-  assert files[1] == files[0] + '.lock'
+  files = os.listdir(tmp_path / 'True' / 'features' / 'train')  # (its lock removed)
+  assert len(files) == 1 and files[0].startswith('features-') and files[0].endswith('.npy')
   assert not os.path.exists(tmp_path / 'False' / 'features')
 
 
@@ -162,7 +161,7 @@ def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_
   resumed = training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   assert seen == [8, 10]  # only the windows not saved before
   np.testing.assert_allclose(np.asarray(resumed), whole, rtol=1e-3, atol=1e-3)
-  assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith(('.npy', '.lock'))] == []
+  assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith('.npy')] == []
 
 
 def test_a_features_pass_waits_for_another_computing_the_same_file(tiny_folder, tmp_path,

@@ -255,6 +255,9 @@ def precompute_features(target, dcfg, tokens_NxL: np.ndarray, directory: str,
     if feats is None:
       _compute_features(target, dcfg, tokens_NxL, path, shape, batch, progress)
       feats = _complete_features(path, shape)
+      # (safe once the file is complete: a run still waiting on the old lock, or one taking a
+      # new lock, checks for the file first and finds it)
+      os.remove(path + '.lock')
   return feats
 
 
