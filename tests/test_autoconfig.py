@@ -231,8 +231,9 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   calls.clear()
   out, stats = generate_lib.generate(target, drafters, prompts,
                                      dataclasses.replace(base, method='auto'))
-  # AR's timing (1 token: no step), then a batch at a time: no probe
-  assert [n for n, _ in calls] == [1, 1, 1, 1] and stats['auto_source'] == 'prior'
+  # AR's timing (1 token: no step; run twice, the first warms up), then a batch at a time: no
+  # probe
+  assert [n for n, _ in calls] == [1] * 5 and stats['auto_source'] == 'prior'
   assert json.loads(open(stats['auto_file']).read())['measured']['ar']['decode_steps'] == 0
   assert stats['auto_choice'] == 'pld(gamma=4)'  # the prior's choice decodes the first batch
   assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
@@ -249,8 +250,9 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   measured.pop('ar')  # (no step timed)
   for label, m in measured.items():
     assert table[label]['tau'] == pytest.approx(m['decode_tokens'] / m['cycles'], abs=1e-3)
-    assert table[label]['cycle_ms'] == pytest.approx(1e3 * m['decode_s'] / m['decode_steps'],
-                                                     rel=1e-3)
+    # (its program's cost, at how slow the machine ran last: test_learn_... below)
+    assert table[label]['cycle_ms'] == pytest.approx(
+        1e3 * record['machine'] * m['unit_s'] / m['decode_steps'], rel=1e-3)
   assert sum(m['decode_tokens'] for m in measured.values()) == sum(
       len(r['completion_ids']) - 1 for r in out)
   assert stats['tau'] == pytest.approx(sum(m['decode_tokens'] for m in measured.values()) /
@@ -261,7 +263,7 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert [n for n, _ in calls] == [1, 1, 1, 1] and stats2['auto_source'] == 'remembered'
+  assert [n for n, _ in calls] == [1] * 5 and stats2['auto_source'] == 'remembered'
   assert stats2['auto_parts'][0]['choice'] == record['auto_choice']
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
   # auto_probe: every candidate decodes the prompts (the first warms up), then the request
@@ -288,19 +290,30 @@ def test_auto_times_the_ar_step_once_before_its_first_choice_from_a_prior(
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
   calls.clear()
-  out, stats = generate_lib.generate(target, drafters, prompts,
+  # a program's first run pays a one-off cost: here 10 s for the timing program's, which the
+  # timing must not count
+  counted, decode = [], runner_lib.decode_prompts
+  def first_run_slow(runner, *a, **k):
+    ids, st = decode(runner, *a, **k)
+    counted.append(runner)
+    return ids, dict(st, decode_s=st['decode_s'] + 10.0 * (len(counted) == 1))
+  monkeypatch.setattr(runner_lib, 'decode_prompts', first_run_slow)
+  # (one prompt: what AR measures of its own when it decodes a batch would add to the timing)
+  out, stats = generate_lib.generate(target, drafters, prompts[:1],
                                      dataclasses.replace(base, method='auto'))
-  assert len(calls) == 3 and calls[0] == (1, 'ARRunner') and stats['auto_ar_timing_s'] > 0
+  # the timing program runs twice (the first warms it up), then the batch
+  assert len(calls) == 3 and calls[:2] == [(1, 'ARRunner')] * 2 and counted[0] is counted[1]
+  assert stats['auto_ar_timing_s'] > 10
   record = json.loads(open(stats['auto_file']).read())
   timed = record['measured']['ar']
   assert timed['decode_steps'] == timed['cycles'] == timed['decode_tokens'] == 11  # (+ prefill's)
+  assert timed['decode_s'] < 10  # the second run's
   assert record['auto_candidates']['ar']['measured']
-  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
+  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar[:1]]
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert len(calls) == 2 and 'auto_ar_timing_s' not in stats2
-  assert json.loads(open(stats['auto_file']).read())['measured']['ar'] == timed
+  assert len(calls) == 2 and 'auto_ar_timing_s' not in stats2  # no timing: a batch at a time
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
 
 
@@ -332,13 +345,15 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   assert rec['auto_candidates']['ar']['predicted_tokens_per_s'] == pytest.approx(20)
   short = {'decode_tokens': 10, 'cycles': 5, 'decode_s': 0.5, 'decode_steps': 5}
   rec = autoconfig.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
-  assert rec['auto_choice'] == 'd2sd_tree(N=8)' and rec['measured']['d2sd_tree(N=8)'] == short
+  assert rec['auto_choice'] == 'd2sd_tree(N=8)'
+  assert rec['measured']['d2sd_tree(N=8)'] == dict(short, unit_s=0.5)
   assert rec['auto_candidates']['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
   # 35 cycles more at 0.1 s (the speculative AR step: 0.1 / 1.7 s); the earlier 5 weigh half
   rec = autoconfig.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
                                      'decode_steps': 35}, 1)
   assert rec['measured']['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
-                                               'decode_s': 3.75, 'decode_steps': 37.5}
+                                               'decode_s': 3.75, 'decode_steps': 37.5,
+                                               'unit_s': 3.75}
   table, ar_s, tau = rec['auto_candidates'], 0.1 / 1.7, 67 / 37.5
   scale = (tau - 1) / (3.1 - 1)
   assert rec['prompt_scale'] == pytest.approx(scale, abs=1e-4)
@@ -364,6 +379,41 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   # a probed record is not the prior's to refine
   path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
   assert autoconfig.learn(str(path), short, 1) is None
+
+
+def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_path):
+  """A candidate's programs have fixed shapes, so once timed, its cycle measured slower later
+  is the machine slowing down: every candidate's predicted cycle, measured or not, slows with
+  it. A candidate timed while the machine was fast does not overtake the one decoding now."""
+  path = tmp_path / 'r.json'
+  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'ddtree(N=4)': ('ddtree', 1.5, 1.5),
+          'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
+  path.write_text(json.dumps(_prior_record(rows)))
+  autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+                               'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
+  # d2sd_tree: τ 1.9 at 100 ms a cycle, 19 tokens/s, below AR's 20: AR decodes next
+  rec = autoconfig.learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
+                                     'decode_steps': 20}, 1)
+  assert rec['auto_choice'] == 'ar' and rec['machine'] == 1.0
+  table = rec['auto_candidates']
+  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19, abs=0.01)
+  # the machine slows by a fifth: AR runs at 60 ms a step, and so would every other program
+  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
+                                     'decode_steps': 20}, 1)
+  table = rec['auto_candidates']
+  assert rec['machine'] == pytest.approx(1.2)
+  assert table['ar']['cycle_ms'] == pytest.approx(60)
+  assert table['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(120)  # not its 100 ms of before
+  assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 60)
+  assert table['ddtree(N=4)']['cycle_ms'] == pytest.approx(1.5 * 100 / 1.7 * 1.2)
+  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19 / 1.2, abs=0.01)
+  assert rec['auto_choice'] == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
+  # the machine recovers while AR decodes: every prediction speeds up alike
+  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
+                                     'decode_steps': 20}, 1)
+  assert rec['machine'] == pytest.approx(0.9)
+  assert rec['auto_candidates']['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
+  assert rec['auto_candidates']['ar']['cycle_ms'] == pytest.approx(45)
 
 
 def test_a_requests_tree_budget_caps_autos_candidates(tiny_folder, tmp_path):

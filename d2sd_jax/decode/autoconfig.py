@@ -10,14 +10,15 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
   prior       the drafters' recorded acceptance and cycle costs (PRIORS: drafters/auto_priors.json,
               written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
               cycle in AR steps, for a platform and batch). No probing: this machine's AR step
-              is timed once (AR_TIMING_TOKENS steps), and the first batch decodes with the best
-              prediction. Every batch then teaches the next (`learn`): the chosen candidate's
-              measured τ and cycle time become its prediction, the other drafter candidates'
-              cycles follow the AR step the measured ones imply (prompt lookup's follow AR's
-              own), the drafter candidates' τ follow the ratio their measured ones showed to
-              the prior (the prompts are easier or harder for the drafters), and the next
-              batch, or the next request, decodes with whichever now predicts fastest,
-              measuring it in turn;
+              is timed once (AR_TIMING_TOKENS steps, after a run that warms the program up),
+              and the first batch decodes with the best prediction. Every batch then teaches the next (`learn`): the chosen candidate's
+              measured τ and cycle time become its prediction (a timed candidate measured
+              slower or faster later moves every cycle alike: the machine drifted), the other
+              drafter candidates' cycles follow the AR step the measured ones imply (prompt
+              lookup's follow AR's own), the drafter candidates' τ follow the ratio their
+              measured ones showed to the prior (the prompts are easier or harder for the
+              drafters), and the next batch, or the next request, decodes with whichever now
+              predicts fastest, measuring it in turn;
   probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
               candidate decodes the request's first PROBE_PROMPTS prompts for up to
               PROBE_TOKENS tokens (the first warms the programs up), and E[τ] and the cycle time
@@ -260,7 +261,12 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
   prompts, which change), and the predictions are remade:
 
   - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted by
-    its own totals: τ = tokens / cycles, cycle = decode_s / decode_steps;
+    its own totals: τ = tokens / cycles, and its cycle is its program's cost times how slow the
+    machine runs now (`machine`). Every program has fixed shapes, so a candidate's cycle does
+    not depend on the prompts: once it is timed, a later batch of it that runs slower or faster
+    tells of the machine (a shared VM drifts by tens of percent within minutes), and every
+    candidate's cycle moves with it. Without this, a candidate timed while the machine was fast
+    would overtake the one decoding now when the machine slows;
   - the others' cycles are their recorded AR steps times this machine's AR step: for a
     drafter candidate, the one the measured drafter candidates' cycles imply (weighted by their
     loop steps; the prior's relative costs of the trees can be off on another machine, and the
@@ -283,8 +289,18 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
   table = record['auto_candidates']
   label = label or record['auto_choice']
   old = record['measured'].get(label)
-  record['measured'][label] = {k: measured[k] + (RECENCY * old[k] if old else 0)
-                               for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
+  machine = record.get('machine', 1.0)  # how slow the machine runs now (1: as first timed)
+  if (old and old['decode_steps'] >= MIN_PROBE_CYCLES and
+      measured['decode_steps'] >= MIN_PROBE_CYCLES):
+    # this candidate's program was timed before: how its cycle moved is the machine's drift
+    machine = (measured['decode_s'] / measured['decode_steps']) / (
+        old['unit_s'] / old['decode_steps'])
+  entry = {k: measured[k] + (RECENCY * old[k] if old else 0)
+           for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
+  # the seconds it would have taken at machine 1: the program's own cost
+  entry['unit_s'] = measured['decode_s'] / machine + (RECENCY * old['unit_s'] if old else 0)
+  record['measured'][label] = entry
+  record['machine'] = machine
   if table[label]['method'] not in ('ar', 'pld'):
     record['scale_from'] = label  # the drafters' latest word on these prompts
   timed = {name: m for name, m in record['measured'].items()
@@ -294,9 +310,9 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
     return record
   for row in table.values():
     row.setdefault('prior_tau', row['tau'])
-  def ar_step_ms(names):  # the AR step (ms) that these measured candidates' cycles imply
-    return (sum(1e3 * timed[n]['decode_s'] / table[n]['cycle_ar_steps'] for n in names) /
-            sum(timed[n]['decode_steps'] for n in names))
+  def ar_step_ms(names):  # the AR step (ms) now that these measured candidates' cycles imply
+    return machine * (sum(1e3 * timed[n]['unit_s'] / table[n]['cycle_ar_steps'] for n in names) /
+                      sum(timed[n]['decode_steps'] for n in names))
   kind = lambda n: {'ar': 'ar', 'pld': 'pld'}.get(table[n]['method'], 'drafters')
   by_kind = {k: [n for n in timed if kind(n) == k] for k in ('ar', 'pld', 'drafters')}
   spec = by_kind['pld'] + by_kind['drafters']
@@ -312,7 +328,7 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
   for name, row in table.items():
     if name in timed:
       m = timed[name]
-      tau, cycle = tau_of[name], 1e3 * m['decode_s'] / m['decode_steps']
+      tau, cycle = tau_of[name], machine * 1e3 * m['unit_s'] / m['decode_steps']
     else:
       tau = row['prior_tau']
       if row['method'] not in ('ar', 'pld'):
@@ -415,7 +431,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
 # ----------------------------------------------------------------------------------------------
 # The remembered choice
 
-RECORD_VERSION = 3  # a record written under another version is chosen again
+RECORD_VERSION = 4  # a record written under another version is chosen again
 
 
 def choice_dir() -> str:
