@@ -38,7 +38,7 @@ from d2sd_jax.train import calibration  # pylint: disable=wrong-import-position
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
 from d2sd_jax.train import losses  # pylint: disable=wrong-import-position
-from d2sd_jax.train import training  # pylint: disable=wrong-import-position
+from d2sd_jax.train import features  # pylint: disable=wrong-import-position
 from d2sd_jax.formats.drafters import load_drafter
 
 BUCKET = 64
@@ -70,7 +70,7 @@ class Scorer:
 
   def __init__(self, target, dcfg, dparams, n_anchors: int):
     self.target, self.dcfg, self.dparams, self.n_anchors = target, dcfg, dparams, n_anchors
-    self.features = jax.jit(lambda p, t: training.target_features(p, target.cfg, dcfg, t))
+    self.features = jax.jit(lambda p, t: features.target_features(p, target.cfg, dcfg, t))
     self._score = jax.jit(self._score_fn)
 
   def _score_fn(self, dparams, tparams, tokens, feats, label_mask, first_anchor, prefix_len):

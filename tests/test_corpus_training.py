@@ -12,6 +12,7 @@ from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.formats import loaders
 from d2sd_jax.train import losses
 from d2sd_jax.models import target as M
+from d2sd_jax.train import features
 from d2sd_jax.train import training
 from test_training import tiny_config  # pylint: disable=wrong-import-order
 
@@ -82,7 +83,7 @@ def test_soft_loss_is_the_expectation_of_hard_losses(tiny_target):
   dparams = drafter_lib.init_params(dcfg, cfg, jax.random.PRNGKey(0))
   rng = np.random.default_rng(0)
   seq = jnp.asarray(rng.integers(0, 95, (2, L)), jnp.int32)
-  feats = training.target_features(params, cfg, dcfg, seq)
+  feats = features.target_features(params, cfg, dcfg, seq)
   anchors = jnp.asarray(rng.integers(0, L - 1, (2, 5)), jnp.int32)
   prefix = jnp.zeros((2, 5), jnp.int32)
   weights = jnp.broadcast_to(losses.vp_weights(jnp.zeros((1,), jnp.int32), 4, 4.0), (2, 5, 4))

@@ -35,7 +35,7 @@ import pytest
 
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
-from d2sd_jax.train import losses, training
+from d2sd_jax.train import features, losses, training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -74,7 +74,7 @@ def our_blocks(ref, gamma, G):
 
 def test_features_are_specforge_drafter_input(models, ref):
   target, dcfg, _ = models
-  feats = training.target_features(target.params, target.cfg, dcfg, jnp.asarray(ref['input_ids']))
+  feats = features.target_features(target.params, target.cfg, dcfg, jnp.asarray(ref['input_ids']))
   np.testing.assert_allclose(feats, ref['hidden_states'], **TOL)
 
 

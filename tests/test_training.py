@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from d2sd_jax.train import features
 from d2sd_jax.train import training
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
@@ -132,9 +133,9 @@ def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_
   target = loaders.load_target(tiny_folder)
   dcfg = training.drafter_config(tiny_config(tiny_folder, '', ''))
   tokens = np.random.default_rng(0).integers(0, 90, (11, 12)).astype(np.int32)
-  whole = np.array(training.precompute_features(target, dcfg, tokens, str(tmp_path / 'whole'),
+  whole = np.array(features.precompute_features(target, dcfg, tokens, str(tmp_path / 'whole'),
                                                 batch=2, progress=False))
-  monkeypatch.setattr(training, 'FEATURES_SAVE_EVERY', 4)
+  monkeypatch.setattr(features, 'FEATURES_SAVE_EVERY', 4)
   seen = []
 
   def stops_after(n):
@@ -146,19 +147,19 @@ def test_an_interrupted_features_pass_resumes_where_it_stopped(tiny_folder, tmp_
         yield i
     return iterate
 
-  monkeypatch.setattr(training, 'tqdm', stops_after(5))  # killed in its 6th batch (window 10)
+  monkeypatch.setattr(features, 'tqdm', stops_after(5))  # killed in its 6th batch (window 10)
   with pytest.raises(KeyboardInterrupt):
-    training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
+    features.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   names = sorted(os.listdir(tmp_path / 'cut'))
   assert [n.split('.npy')[1] for n in names] == ['.lock', '.partial', '.rows']
   assert (tmp_path / 'cut' / names[2]).read_text() == '8'  # the last save: windows 0..7
   seen.clear()
-  monkeypatch.setattr(training, 'tqdm', stops_after(99))
+  monkeypatch.setattr(features, 'tqdm', stops_after(99))
   # other windows in the same folder: another file, computed from the start
-  training.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
+  features.precompute_features(target, dcfg, tokens[::-1].copy(), str(tmp_path / 'cut'), batch=2)
   assert seen == [0, 2, 4, 6, 8, 10]
   seen.clear()
-  resumed = training.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
+  resumed = features.precompute_features(target, dcfg, tokens, str(tmp_path / 'cut'), batch=2)
   assert seen == [8, 10]  # only the windows not saved before
   np.testing.assert_allclose(np.asarray(resumed), whole, rtol=1e-3, atol=1e-3)
   assert [n for n in os.listdir(tmp_path / 'cut') if not n.endswith('.npy')] == []
@@ -171,17 +172,17 @@ def test_a_features_pass_waits_for_another_computing_the_same_file(tiny_folder, 
   target = loaders.load_target(tiny_folder)
   dcfg = training.drafter_config(tiny_config(tiny_folder, '', ''))
   tokens = np.random.default_rng(1).integers(0, 90, (3, 12)).astype(np.int32)
-  first = training.precompute_features(target, dcfg, tokens, str(tmp_path), progress=False)
+  first = features.precompute_features(target, dcfg, tokens, str(tmp_path), progress=False)
   path = next(p for p in tmp_path.iterdir() if p.suffix == '.npy')
   (tmp_path / 'kept.npy').write_bytes(path.read_bytes())
   path.unlink()  # as if a first run were still computing it, holding the lock
   computed = []
-  compute = training._compute_features  # pylint: disable=protected-access
-  monkeypatch.setattr(training, '_compute_features', lambda *a: computed.append(a) or compute(*a))
+  compute = features._compute_features  # pylint: disable=protected-access
+  monkeypatch.setattr(features, '_compute_features', lambda *a: computed.append(a) or compute(*a))
   result = {}
   with open(str(path) + '.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    waiting = threading.Thread(target=lambda: result.update(feats=training.precompute_features(
+    waiting = threading.Thread(target=lambda: result.update(feats=features.precompute_features(
         target, dcfg, tokens, str(tmp_path), progress=False)))
     waiting.start()
     waiting.join(1.0)
