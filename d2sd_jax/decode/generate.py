@@ -43,8 +43,9 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   tok = tokenizer_of(target)
   prompt_ids = [tok.encode_prompt(p, options.chat, options.chat_template_kwargs)
                 for p in prompts]
-  longest = max(len(p) for p in prompt_ids)
-  limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  longest = options_lib.width(prompt_ids, options)
+  limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len,
+                                 options.prompt_width)
   batch = options.batch_size or min(len(prompts), options_lib.AUTO_BATCH)
   auto_stats = {}
   if options.method == 'auto':
@@ -137,8 +138,8 @@ def _time_ar_step(target, drafters, options, tok, prompt_ids, longest, limit, ba
   (the record, the seconds it took, the seconds compiling).
 
   The program runs twice and the second run is timed: a compiled program's first run pays a
-  one-off cost (about 150 ms for SmolLM2 on a 2-core CPU, 18 % of 32 steps) that would make
-  every other candidate look faster than AR."""
+  one-off cost, large against 32 steps, that would make every other candidate look faster
+  than AR."""
   timing = dataclasses.replace(options, method='ar', max_new_tokens=min(
       autoconfig.AR_TIMING_TOKENS, options.max_new_tokens))
   runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
