@@ -8,7 +8,9 @@
   python benchmarks/reproduce.py --markdown [--write]   # the tables, from results/*.json;
       --write puts them into docs/results.md and the headline table into README.md
 
-Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 1:
+Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 1. The ladder,
+trees and sampled sections decode in turns, each prompt by every method before the next prompt,
+so the machine's drift weighs on every row alike (`lossless_rows`):
 - ladder: ar, pld, dflash, dflash_resample, dflash_dflash, d2sd and d2sd_pld, greedy, on
   HumanEval in the chat template, HumanEval as plain completion, and a non-code chat set
   (benchmarks/prompts/prose.jsonl): tau, decode tokens/s, speed-up over AR in the same run,
@@ -58,6 +60,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
+from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 SECTIONS = ('ladder', 'trees', 'sampled', 'scaling', 'pareto', 'calibration')
@@ -160,30 +163,76 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
 
 
 def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=None) -> dict:
-  """Per prompt set, a row per run (label, method, knobs), the first 'ar', and AR once more at
-  the end ('ar (end)'): every speed-up is against the mean of the two AR runs, and the two
-  rows show how far the machine's speed drifted meanwhile. Greedy (`sampling` None), any output
-  that differs from AR's stops the run; with `sampling` (temperature, top_p, seed) outputs are
-  draws of the target's law, not AR's draws, and are not compared (the law tests check the law:
+  """Per prompt set, a row per run (label, method, knobs) and AR once more ('ar (end)'), decoded
+  in turns: prompt i by every run, in order, before prompt i + 1. The machine's drift (tens of
+  percent within a set on a shared 2-core VM) then weighs on every row alike, not on whichever
+  ran while the machine was slow. Every speed-up is against the mean of the two AR runs, whose
+  gap shows the noise left. The prompts are padded to the set's longest (`prompt_width`): each
+  run compiles one program, as one call over the whole set would. method=auto learns across the
+  calls as across the batches of one call (a fresh choice cache per set, from the shipped
+  priors). Greedy (`sampling` None), any output that differs from AR's stops the run; with
+  `sampling` (temperature, top_p, seed) prompt i samples with seed + i, and outputs are draws of
+  the target's law, not AR's draws, and are not compared (the law tests check the law:
   tests/test_speculative.py, tests/test_trees.py)."""
+  tok = generate_lib.tokenizer_of(dec.target)
+  everything = (*runs, ('ar (end)', 'ar', {}))
   out = {}
   for name, (prompts, chat) in sets.items():
-    done, ar_ids = [], None
-    for label, method, knobs in (*runs, ('ar (end)', 'ar', {})):
-      if method == 'auto':  # from the shipped priors: no choice remembered from another set
-        os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
-      g = dec.generate(prompts, tokens, method=method, chat=chat, batch_size=1,
-                       **(sampling or {}), **knobs)
-      if method == 'ar':
-        ar_ids = ar_ids or g.ids
-      elif sampling is None and g.ids != ar_ids:
-        raise SystemExit(f'{label} on {name} changed the output: not lossless')
-      done.append((label, g.stats))
-      print(json.dumps({section: name, 'method': label, 'tau': g.stats.get('tau', 1.0),
-                        'decode_tokens_per_s': g.stats['decode_tokens_per_s']}), flush=True)
+    width = max(len(tok.encode_prompt(p, chat, {})) for p in prompts)
+    if any(method == 'auto' for _, method, _ in runs):  # no choice remembered from another set
+      os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
+    calls = {label: [] for label, _, _ in everything}
+    for i, prompt in enumerate(prompts):
+      ar_ids = None
+      for label, method, knobs in everything:
+        knobs = dict(knobs)
+        if i and knobs.get('stage_times'):
+          knobs['stage_times'] = False  # (stage_ms comes from the first prompt)
+        draw = {} if sampling is None else {**sampling, 'seed': sampling['seed'] + i}
+        g = dec.generate([prompt], tokens, method=method, chat=chat, batch_size=1,
+                         prompt_width=width, **draw, **knobs)
+        if method == 'ar':
+          ar_ids = ar_ids or g.ids
+        elif sampling is None and g.ids != ar_ids:
+          raise SystemExit(f'{label} on {name}, prompt {i}, changed the output: not lossless')
+        calls[label].append(g.stats)
+    done = [(label, merged_stats(calls[label])) for label, _, _ in everything]
+    for label, st in done:
+      print(json.dumps({section: name, 'method': label, 'tau': st.get('tau', 1.0),
+                        'decode_tokens_per_s': st['decode_tokens_per_s']}), flush=True)
     ar_ms = np.mean([per_token_ms(st) for label, st in done if label in ('ar', 'ar (end)')])
     out[name] = [row_of(label, st, ar_ms) for label, st in done]
   return out
+
+
+def merged_stats(calls: list[dict]) -> dict:
+  """One run's stats over its calls, one prompt each: totals, tau over all cycles, the trees'
+  expected tau weighted by their cycles, stage times and auto's first pick from the first call,
+  and auto's parts joined (a candidate that decoded consecutive prompts is one part)."""
+  first = calls[0]
+  st = {'prompts': sum(c['prompts'] for c in calls),
+        'new_tokens': sum(c['new_tokens'] for c in calls),
+        'decode_s': sum(c['decode_s'] for c in calls),
+        'tree_size': first.get('tree_size'), 'stage_ms': first.get('stage_ms'),
+        'auto_choice': first.get('auto_choice')}
+  decode_tokens = st['new_tokens'] - st['prompts']
+  st['decode_tokens_per_s'] = round(decode_tokens / st['decode_s'], 2)
+  if all('cycles' in c for c in calls):
+    st['tau'] = round(decode_tokens / sum(c['cycles'] for c in calls), 3)
+  scored = [c for c in calls if c.get('expected_tau') is not None]
+  if scored:
+    st['expected_tau'] = round(1 + sum((c['expected_tau'] - 1) * c['cycles'] for c in scored)
+                               / sum(c['cycles'] for c in scored), 3)
+  if first.get('auto_parts'):
+    parts = []
+    for c in calls:
+      for part in c['auto_parts']:
+        if parts and parts[-1]['choice'] == part['choice']:
+          parts[-1]['prompts'] += part['prompts']
+        else:
+          parts.append(dict(part))
+    st['auto_parts'] = parts
+  return st
 
 
 def _pick(sets: dict, names) -> dict:

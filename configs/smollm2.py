@@ -49,6 +49,7 @@ def get_config():
   c.seed = 0  # sampling seed (row r of the prompt list always uses fold_in(seed, r))
   c.batch_size = 0  # prompts decoded together (0 = all of them, 8 at most)
   c.cache_len = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
+  c.prompt_width = 0  # pad prompts to at least this many tokens (0: the longest prompt's)
   c.auto_refresh = False  # method='auto': choose again instead of using the remembered choice
   c.auto_probe = False  # method='auto': time every candidate on the prompts (minutes)
   c.stage_times = False  # speculative: also time draft / verify / accept alone (stats stage_ms)

@@ -75,6 +75,27 @@ def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
     d2sd_jax.load(saved)
 
 
+def test_prompt_width_runs_prompts_of_other_lengths_in_one_program(tiny_folder, tiny_drafters):
+  """A 10- and a 100-character prompt (one token a character) are padded to 64 and 128 tokens:
+  two programs. With prompt_width=100 both run the 128-wide one, and the outputs do not move."""
+  dec = d2sd_jax.load(tiny_folder, drafter1=tiny_drafters['drafter1'])
+  short, long = 'abcabcabca', ('hello world ' * 9)[:100]
+  for method in ('ar', 'dflash'):
+    dec._runners.clear()  # pylint: disable=protected-access
+    alone = [dec.generate(p, 12, chat=False, method=method).ids for p in (short, long)]
+    assert len(dec._runners) == 2, method  # pylint: disable=protected-access
+    dec._runners.clear()  # pylint: disable=protected-access
+    padded = [dec.generate(p, 12, chat=False, method=method, prompt_width=100).ids
+              for p in (short, long)]
+    assert len(dec._runners) == 1, method  # pylint: disable=protected-access
+    assert padded == alone, method
+  with pytest.raises(ValueError, match=r'prompt_width=500 \+ max_new_tokens=12 exceeds the '
+                     r'cache length 100 .*lower prompt_width .*raise cache_len'):
+    dec.generate(short, 12, chat=False, prompt_width=500, cache_len=100)
+  with pytest.raises(ValueError, match='prompt_width=-1 must be >= 0'):
+    dec.generate(short, 12, prompt_width=-1)
+
+
 def _scaled(target, factor):
   """The target with every weight multiplied by `factor`: another model of the same shapes."""
   return dataclasses.replace(target, params=jax.tree.map(lambda x: x * factor, target.params))

@@ -51,6 +51,69 @@ def test_agreement_is_the_common_prefix_fraction():
   assert reproduce.common_prefix([5, 2], [1, 2]) == 0.0
 
 
+class _Tokenizer:
+  def encode_prompt(self, prompt, chat, kwargs):
+    return list(prompt) + (['<chat>'] if chat else [])
+
+
+class _Decoder:
+  """Stands in for d2sd_jax.Decoder: records each call; AR decodes 2 tokens/s, pld 4 (3 cycles
+  per prompt of 6 new tokens; auto's vary); `wrong` changes pld's output on one prompt."""
+
+  def __init__(self, wrong=None):
+    self.target = type('T', (), {'tokenizer': _Tokenizer()})()
+    self.calls, self.wrong = [], wrong
+
+  def generate(self, prompts, tokens, *, method, prompt_width, **kw):
+    self.calls.append((prompts[0], method, prompt_width, kw.get('seed'),
+                       os.environ.get('D2SD_AUTO_CACHE')))
+    ids = [[hash(prompts[0]) % 7] * 7]
+    if method == 'pld' and prompts[0] == self.wrong:
+      ids = [[0] * 7]
+    stats = {'prompts': 1, 'new_tokens': 7, 'decode_s': 3.0 if method == 'ar' else 1.5}
+    if method != 'ar':
+      stats.update(cycles=3, tree_size=8)
+    if method == 'auto':  # cycles 2, 3, 4 on prompts 'a', 'bb', 'ccc'
+      stats.update(cycles=len(prompts[0]) + 1, auto_choice='pld(gamma=8)', expected_tau=1.5 if prompts[0] == 'a' else 3.0,
+                   auto_parts=[{'choice': 'ar' if prompts[0] == 'ccc' else 'pld(gamma=8)',
+                                'prompts': 1}])
+    stats['decode_tokens_per_s'] = 6 / stats['decode_s']
+    return type('G', (), {'ids': ids, 'stats': stats})()
+
+
+def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
+  """Prompt-major turns, every call padded to the set's longest prompt (chat marker included),
+  a fresh auto cache per set (not per call), seed + i when sampling; the rows merge the calls:
+  tau over all cycles, the trees' expected tau weighted by their cycles, auto's parts joined;
+  a changed output stops the run."""
+  monkeypatch.setenv('D2SD_AUTO_CACHE', 'unset')
+  dec = _Decoder()
+  runs = (('ar', 'ar', {}), ('pld', 'pld', {}), ('auto', 'auto', {}))
+  out = reproduce.lossless_rows(dec, 'trees', {'s1': (['a', 'bb', 'ccc'], True),
+                                               's2': (['ddddd'], False)}, runs, 6)
+  order = [(prompt, method) for prompt, method, *_ in dec.calls]
+  assert order == [(p, m) for p in ('a', 'bb', 'ccc', 'ddddd') for m in ('ar', 'pld', 'auto', 'ar')]
+  assert [width for _, _, width, _, _ in dec.calls] == [4] * 12 + [5] * 4
+  caches = [cache for *_, cache in dec.calls]
+  assert len(set(caches[:12])) == 1 and len(set(caches[12:])) == 1 and caches[0] != caches[12]
+  assert 'unset' not in caches
+  rows = {r['method']: r for r in out['s1']}
+  assert list(rows) == ['ar', 'pld', 'auto', 'ar (end)']
+  assert rows['pld']['tau'] == 2.0 and rows['ar']['tau'] == 1.0  # 18 tokens in 9 cycles
+  assert rows['pld']['decode_tokens_per_s'] == 4.0 and rows['pld']['speedup_vs_ar'] == 2.0
+  assert rows['auto']['expected_tau'] == pytest.approx(1 + (0.5 * 2 + 2 * 3 + 2 * 4) / 9,
+                                                      abs=1e-3)
+  assert rows['auto']['auto_parts'] == [{'choice': 'pld(gamma=8)', 'prompts': 2},
+                                        {'choice': 'ar', 'prompts': 1}]
+  dec = _Decoder()
+  reproduce.lossless_rows(dec, 'sampled', {'s': (['a', 'bb'], True)}, runs[:2], 6,
+                          sampling={'temperature': 0.7, 'top_p': 0.95, 'seed': 5})
+  assert [seed for _, _, _, seed, _ in dec.calls] == [5, 5, 5, 6, 6, 6]
+  with pytest.raises(SystemExit, match='pld on s, prompt 1, changed the output'):
+    reproduce.lossless_rows(_Decoder(wrong='bb'), 'trees', {'s': (['a', 'bb'], True)},
+                            runs[:2], 6)
+
+
 def test_only_keeps_the_other_sections_of_a_run_with_the_same_settings(tmp_path):
   """--only reruns some sections on top of the existing JSON; it refuses one written with other
   settings or drafters (one table would mix two runs) and leaves that file untouched."""

@@ -64,6 +64,7 @@ class Decoder:
                temperature: float = _DEFAULTS.temperature, top_k: int = _DEFAULTS.top_k,
                top_p: float = _DEFAULTS.top_p, seed: int = _DEFAULTS.seed,
                batch_size: int = _DEFAULTS.batch_size, cache_len: int = _DEFAULTS.cache_len,
+               prompt_width: int = _DEFAULTS.prompt_width,
                stage_times: bool = _DEFAULTS.stage_times,
                auto_refresh: bool = _DEFAULTS.auto_refresh,
                auto_probe: bool = _DEFAULTS.auto_probe,
@@ -75,12 +76,14 @@ class Decoder:
     spec: speculative knobs, the fields of `speculative.SpecSettings` (gamma: by default the
     drafters' block; n_branches: K, by default min(4, gamma-1); steps, order, tree_budget,
     leniency, ngram_max). The stats include tau and the acceptance histogram for speculative
-    methods. Repeated calls with the same shapes reuse the compiled programs."""
+    methods. Repeated calls with the same shapes reuse the compiled programs; prompt_width
+    (pad every prompt to at least this many tokens) gives calls with prompts of other lengths
+    the same shapes."""
     options = options_lib.Options(
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
         chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-        cache_len=cache_len, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh,
+        cache_len=cache_len, prompt_width=prompt_width, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh,
         auto_probe=auto_probe)
     with sharding.tracing_under(self.mesh):
       completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,

@@ -133,7 +133,7 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
   remembered choice for this key (unless auto_refresh or auto_probe), else the prediction from
   the drafters' prior (unless auto_probe), else a probe of every candidate; remembered."""
   started = time.perf_counter()
-  longest = max(len(p) for p in prompt_ids)
+  longest = options_lib.width(prompt_ids, options)
   path = os.path.join(choice_dir(), remembered_key(target, drafters, options, batch, longest)
                       + '.json')
   fresh = options.auto_refresh or options.auto_probe
@@ -364,8 +364,9 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
   """Every candidate's predicted tokens/s from its probe (module docstring): the record
   `choose` remembers."""
   settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
-  longest = max(len(p) for p in prompt_ids)
-  limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len)
+  longest = options_lib.width(prompt_ids, options)
+  limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len,
+                                 options.prompt_width)
   params = {'target': target.params, **{n: p for n, (_, p) in drafters.items()}}
   probe_settings = dataclasses.replace(settings,
                                        max_new_tokens=min(PROBE_TOKENS, options.max_new_tokens))
@@ -378,7 +379,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
       specs[label] = SP.SpecSettings(settings, method=method, **{**fixed, **knobs}, **cfgs)
   probed = {}
   probe_ids = prompt_ids[:PROBE_PROMPTS]
-  width = max(map(len, probe_ids))  # one program per candidate, for every probe prompt
+  width = options_lib.width(probe_ids, options)  # one program per candidate, every probe prompt
   for label, method, knobs in cands:
     runner = runner_lib.make_runner(target, probe_settings, method, width, limit, drafters,
                                   **({} if method == 'ar' else {**fixed, **knobs}))

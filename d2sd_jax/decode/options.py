@@ -41,6 +41,9 @@ class Options:
   seed: int = 0  # row r of the prompt list samples with fold_in(seed, r)
   batch_size: int = 0  # prompts decoded together (0 = all of them, AUTO_BATCH at most)
   cache_len: int = 2048  # KV cache capacity per row: prompt + max_new_tokens must fit
+  # Prompts are padded to at least this many tokens (0: the longest prompt's): calls whose
+  # prompts differ in length then run one compiled program, with the same costs
+  prompt_width: int = 0
   # SpecSettings knobs (gamma, n_branches, steps, ...); a missing one takes `spec_fields`' default.
   spec: dict = dataclasses.field(default_factory=dict)
   stage_times: bool = False  # also time draft / verify / accept alone (3 more programs compile)
@@ -94,10 +97,19 @@ def check(options: Options, drafters) -> None:
                      f'{AUTO_BATCH} at most)')
   if options.cache_len < 2:
     raise ValueError(f'cache_len={options.cache_len} must be >= 2 (prompt + new tokens per row)')
+  if options.prompt_width < 0:
+    raise ValueError(f'prompt_width={options.prompt_width} must be >= 0 (0: the longest '
+                     'prompt sets the width)')
   if not isinstance(options.chat_template_kwargs, dict):
     raise ValueError(f'chat_template_kwargs={options.chat_template_kwargs!r} must be a dict of '
                      "template variables, such as {'enable_thinking': False}")
   config_check.check_fields(options.spec, dict.fromkeys(config_check.SPEC_KNOBS), 'speculative')
+
+
+def width(prompt_ids: list[list[int]], options: Options) -> int:
+  """The prompt width a request's programs are made for: its longest prompt, or
+  options.prompt_width where that is wider."""
+  return max(max(len(p) for p in prompt_ids), options.prompt_width)
 
 
 def _spec_default(name: str):

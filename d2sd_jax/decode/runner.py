@@ -117,14 +117,19 @@ class SpecRunner(Runner):
     return out, counts, int(steps), cycles, hist, expected
 
 
-def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int) -> int:
-  """The usable cache length; a clear error when the prompt and new tokens do not fit."""
+def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int,
+                prompt_width: int = 0) -> int:
+  """The usable cache length; a clear error when the prompt (padded to prompt_width, where that
+  is longer) and new tokens do not fit."""
   limit = min(cache_len, target.cfg.max_position)
   if longest + max_new_tokens > limit:
+    what = (f'prompt_width={prompt_width}' if prompt_width >= longest else
+            f'prompt of {longest} tokens')
     raise ValueError(
-        f'prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the cache '
-        f'length {limit} (cache_len={cache_len}, model context {target.cfg.max_position}): '
-        'shorten the prompt or lower max_new_tokens' +
+        f'{what} + max_new_tokens={max_new_tokens} exceeds the cache '
+        f'length {limit} (cache_len={cache_len}, model context {target.cfg.max_position}): ' +
+        ('lower prompt_width' if prompt_width >= longest else 'shorten the prompt') +
+        ' or lower max_new_tokens' +
         (', or raise cache_len' if cache_len < target.cfg.max_position else ''))
   return limit
 
