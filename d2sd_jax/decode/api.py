@@ -83,8 +83,8 @@ class Decoder:
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
         chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
-        cache_len=cache_len, prompt_width=prompt_width, spec=spec, stage_times=stage_times, auto_refresh=auto_refresh,
-        auto_probe=auto_probe)
+        cache_len=cache_len, prompt_width=prompt_width, spec=spec, stage_times=stage_times,
+        auto_refresh=auto_refresh, auto_probe=auto_probe)
     with sharding.tracing_under(self.mesh):
       completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,
                                                  self._runners)
