@@ -123,14 +123,13 @@ def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int,
   is longer) and new tokens do not fit."""
   limit = min(cache_len, target.cfg.max_position)
   if longest + max_new_tokens > limit:
-    what = (f'prompt_width={prompt_width}' if prompt_width >= longest else
-            f'prompt of {longest} tokens')
+    what, fix = ((f'prompt_width={prompt_width}', 'lower prompt_width')
+                 if prompt_width >= longest else
+                 (f'prompt of {longest} tokens', 'shorten the prompt'))
     raise ValueError(
-        f'{what} + max_new_tokens={max_new_tokens} exceeds the cache '
-        f'length {limit} (cache_len={cache_len}, model context {target.cfg.max_position}): ' +
-        ('lower prompt_width' if prompt_width >= longest else 'shorten the prompt') +
-        ' or lower max_new_tokens' +
-        (', or raise cache_len' if cache_len < target.cfg.max_position else ''))
+        f'{what} + max_new_tokens={max_new_tokens} exceeds the cache length {limit} '
+        f'(cache_len={cache_len}, model context {target.cfg.max_position}): {fix} or lower '
+        'max_new_tokens' + (', or raise cache_len' if cache_len < target.cfg.max_position else ''))
   return limit
 
 
