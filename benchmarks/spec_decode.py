@@ -5,7 +5,7 @@ target and any prompts file.
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
       [--redraft exclude|merge]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
-      [--records data/distill-packages]
+      [--records data/distill-packages] [--no-stage_times]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
 {"turns": [...]} as in its MT-Bench / HumanEval JSONL, ShareGPT, OpenAI messages), first turns;
@@ -82,6 +82,8 @@ def main():
   parser.add_argument('--prompts_file', default='', help='JSONL (default: HumanEval)')
   parser.add_argument('--records', default='',
                       help="a distillation folder: its held-out records' prompts")
+  parser.add_argument('--stage_times', action=argparse.BooleanOptionalAction, default=True,
+                      help='also time draft / verify / accept alone (3 more programs a method)')
   args = parser.parse_args()
 
   with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +105,7 @@ def main():
       c.update(method=method, prompts_file=prompts_file, chat=args.chat, batch_size=1,
                target=args.target, dtype=args.dtype,
                max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
-               drafter2=args.drafter2, stage_times=method != 'ar')
+               drafter2=args.drafter2, stage_times=args.stage_times and method != 'ar')
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
                     redraft=args.redraft, steps=args.steps)
       stats = generate_lib.run(c, out=io.StringIO())

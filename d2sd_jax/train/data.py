@@ -33,7 +33,6 @@ import numpy as np
 
 from d2sd_jax.train import corpus
 from d2sd_jax.train import records as records_lib
-from d2sd_jax.train import tfds_data
 
 # head_vocab counts token frequencies over at most this many training windows (a fixed random
 # sample beyond it, the same on every host so that all hosts choose the same head).
@@ -252,6 +251,8 @@ def from_config(data_config, tokenizer, vocab_size: int, top_k: int = 0):
   elif source == 'conversations':
     records = records_lib.ConversationsSource(data_config.path, tokenizer)
   elif source == 'tfds':
+    # Imported here: TFDS (and its TensorFlow-free reader) loads only for the runs that use it.
+    from d2sd_jax.train import tfds_data  # pylint: disable=import-outside-toplevel
     records = tfds_data.TfdsSource(
         data_config.tfds_dir, data_config.get('tfds_name', tfds_data.NAME),
         data_config.get('tfds_split', 'train'), data_config.get('text_field', 'text'),
