@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -352,19 +353,45 @@ def plots(results: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, 'pareto.png'), dpi=120)
 
 
-def run_record(argv: list[str]) -> dict:
-  """The date, machine and command of a run, kept with each section it wrote."""
+def drafters_digest(paths) -> dict:
+  """Which drafters a run measured: a digest of each drafter folder's file names and bytes."""
+  out = {}
+  for name, path in zip(('drafter1', 'drafter2'), paths):
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(os.path.join(path, '**'), recursive=True)):
+      if os.path.isfile(f):
+        h.update(os.path.relpath(f, path).encode())
+        with open(f, 'rb') as fh:
+          h.update(fh.read())
+    out[name] = h.hexdigest()[:16]
+  return out
+
+
+SHIPPED = (os.path.join(ROOT, 'drafters', 'smollm2-drafter1'),
+           os.path.join(ROOT, 'drafters', 'smollm2-drafter2'))
+
+
+def run_record(argv: list[str], drafters: list[str]) -> dict:
+  """The date, machine, command and drafters of a run, kept with each section it wrote."""
   return {'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
           'machine': costmodel.machine(),
-          'command': ' '.join(['python benchmarks/reproduce.py', *argv]).strip()}
+          'command': ' '.join(['python benchmarks/reproduce.py', *argv]).strip(),
+          'drafters': drafters_digest(drafters)}
 
 
-def _measured(res: dict, section: str, name: str | None = None) -> str:
+def _measured(res: dict, section: str, name: str | None = None,
+              shipped: dict | None = None) -> str:
+  """A table's provenance; `shipped` (the shipped drafters' digests): a run that measured other
+  drafters says so."""
   runs = res.get('runs') or {}
   run = runs.get(f'{section}:{name}', runs.get(section))  # a prompt set rerun alone (--sets)
   if run is None:
     return f'({section}: no run record)'
-  return f"({section}: {run['date']}, {run['machine']}, `{run['command']}`)"
+  other = ''
+  if shipped is not None and run.get('drafters') not in (None, shipped):
+    other = (f"; **earlier drafters** ({run['drafters']['drafter1']} / "
+             f"{run['drafters']['drafter2']}), not the shipped ones: rerun `--only {section}`")
+  return f"({section}: {run['date']}, {run['machine']}, `{run['command']}`{other})"
 
 
 HEADLINE = ('humaneval_chat', ('method', 'τ', 'tokens/s', 'speed-up vs AR'))
@@ -376,15 +403,17 @@ def headline(out_dir: str) -> str:
   run)."""
   with open(os.path.join(out_dir, 'reproduce.json')) as f:
     res = json.load(f)
+  shipped = drafters_digest(SHIPPED)
   name, head = HEADLINE
   row = lambda r: (f"| {label_of(r)} | {r['tau']} | {r['decode_tokens_per_s']} | "
                    f"{r['speedup_vs_ar']} |")
   table = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-  lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder")}:', '', *table]
+  lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder", shipped=shipped)}:', '',
+           *table]
   lines += [row(r) for r in res['ladder'][name]]
   if name in res.get('trees', {}):
     lines += ['', f'best-first trees at {TREE_BUDGET} nodes, {name} '
-              f'{_measured(res, "trees", name)}:',
+              f'{_measured(res, "trees", name, shipped)}:',
               '', *table]
     lines += [row(r) for r in res['trees'][name]]
   return '\n'.join(lines)
@@ -417,11 +446,13 @@ def markdown(out_dir: str) -> str:
   """Every table of the JSON files in `out_dir`, each section with its run's date, machine and
   command."""
   lines = []
+  shipped = drafters_digest(SHIPPED)
+  measured = lambda res, section, name=None: _measured(res, section, name, shipped)
   for path in sorted(glob.glob(os.path.join(out_dir, '*.json'))):
     with open(path) as f:
       res = json.load(f)
     for name, rows in res.get('ladder', {}).items():
-      lines += [f'\n{name} ({res["settings"]}) {_measured(res, "ladder")}:', '',
+      lines += [f'\n{name} ({res["settings"]}) {measured(res, "ladder")}:', '',
                 '| method | τ | tokens/s | speed-up vs AR | draft / verify / accept ms |',
                 '|---|---|---|---|---|']
       for r in rows:
@@ -431,7 +462,7 @@ def markdown(out_dir: str) -> str:
                      f"{r['speedup_vs_ar']} | {stages or '–'} |")
     for name, rows in res.get('trees', {}).items():
       lines += [f'\nbest-first trees at {TREE_BUDGET} nodes, {name} ({res["settings"]}) '
-                f'{_measured(res, "trees", name)}:', '',
+                f'{measured(res, "trees", name)}:', '',
                 '| method | τ | expected τ (node scores) | tree nodes | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|---|']
       for r in rows:
@@ -441,13 +472,13 @@ def markdown(out_dir: str) -> str:
     knobs = ', '.join(f'{k} {v}' for k, v in SAMPLED.items())
     for name, rows in res.get('sampled', {}).items():
       lines += [f'\nsampling ({knobs}), trees at {TREE_BUDGET} nodes, {name} '
-                f'({res["settings"]}) {_measured(res, "sampled", name)}:', '',
+                f'({res["settings"]}) {measured(res, "sampled", name)}:', '',
                 '| method | τ | expected τ (node scores) | tokens/s | speed-up vs AR |',
                 '|---|---|---|---|---|']
       lines += [f"| {label_of(r)} | {r['tau']} | {r['expected_tau'] or '–'} | "
                 f"{r['decode_tokens_per_s']} | {r['speedup_vs_ar']} |" for r in rows]
     if 'scaling' in res:
-      lines += ['', f'γ and K scaling, HumanEval chat {_measured(res, "scaling")}:', '',
+      lines += ['', f'γ and K scaling, HumanEval chat {measured(res, "scaling")}:', '',
                 '| knob | value | method | τ | tokens/s | speed-up vs AR | tree nodes |',
                 '|---|---|---|---|---|---|---|']
       for knob, key in (('gamma', 'gamma'), ('branches', 'n_branches')):
@@ -457,7 +488,7 @@ def markdown(out_dir: str) -> str:
     if 'calibration' in res:
       q = next((r for r in res['calibration']['rows'] if r.get('summary') == 'drafter_quality'),
                None)
-      lines += ['', f"calibration {_measured(res, 'calibration')}: "
+      lines += ['', f"calibration {measured(res, 'calibration')}: "
                 f"results/{os.path.basename(res['calibration']['png'])}" + (
           '' if q is None else
           f": drafter 1 ECE {q['ece_raw']} ({q['ece_calibrated']} at its stored temperature "
@@ -466,7 +497,8 @@ def markdown(out_dir: str) -> str:
           f"{q['prefix_lengths']} prefix lengths")]
     if 'pareto' in res:
       lines += ['', f'steps × λ at temperature 1, dflash, HumanEval plain '
-                f'{_measured(res, "pareto")}:', '', '| steps | λ | τ | tokens/s | pass@1 | NLL/token | agreement | frontier |',
+                f'{measured(res, "pareto")}:', '',
+                '| steps | λ | τ | tokens/s | pass@1 | NLL/token | agreement | frontier |',
                 '|---|---|---|---|---|---|---|---|']
       for p in res['pareto']['points']:
         lines.append(f"| {p['steps']} | {p['leniency']} | {p['tau']} | "
@@ -559,7 +591,7 @@ def main():
   # (--sets: every section is kept, and the sets rerun replace theirs)
   results = kept_sections(path, only if names is None else [], settings,
                           [args.drafter1, args.drafter2])
-  record = run_record(sys.argv[1:])
+  record = run_record(sys.argv[1:], [args.drafter1, args.drafter2])
   runs = results.setdefault('runs', {})
   for section in only:
     if names is None:  # the whole section: no set keeps a record of its own

@@ -163,6 +163,28 @@ def test_sets_reruns_prompt_sets_of_the_per_set_sections_with_their_own_record()
   assert 'D1' in reproduce._measured(res, 'trees')
 
 
+def test_a_table_measured_with_other_drafters_says_so(tmp_path):
+  """The run record keeps a digest of the drafter folders' files; a table whose run measured
+  other drafters than the shipped ones is labelled, one measured with them is not."""
+  d1, d2 = tmp_path / 'd1', tmp_path / 'd2'
+  for d in (d1, d2):
+    (d / '100' / 'params').mkdir(parents=True)
+    (d / '100' / 'params' / 'w').write_bytes(b'weights')
+  first = reproduce.drafters_digest([str(d1), str(d2)])
+  assert first['drafter1'] == first['drafter2']  # same names and bytes
+  (d2 / '100' / 'params' / 'w').write_bytes(b'retrained')
+  second = reproduce.drafters_digest([str(d1), str(d2)])
+  assert second['drafter1'] == first['drafter1'] and second['drafter2'] != first['drafter2']
+  (d1 / '100').rename(d1 / '200')  # another step folder: other drafters too
+  assert reproduce.drafters_digest([str(d1), str(d2)])['drafter1'] != first['drafter1']
+  run = {'date': 'D', 'machine': 'M', 'command': 'c', 'drafters': first}
+  res = {'runs': {'ladder': run}}
+  assert 'earlier drafters' in reproduce._measured(res, 'ladder', shipped=second)
+  assert '--only ladder' in reproduce._measured(res, 'ladder', shipped=second)
+  assert 'earlier' not in reproduce._measured(res, 'ladder', shipped=first)
+  assert 'earlier' not in reproduce._measured(res, 'ladder')  # nothing to compare with
+
+
 @pytest.mark.slow
 def test_quick_run_writes_every_section_and_the_tables(tmp_path):
   """`reproduce.py --quick` on SmolLM2 with the shipped drafters: every section in the JSON, the
@@ -247,6 +269,7 @@ def test_generated_blocks_are_replaced_and_nothing_else(tmp_path):
   page.write_text('no markers\n')
   with pytest.raises(SystemExit, match='needs one'):
     reproduce.replace_generated(str(page), 'x')
-  record = reproduce.run_record(['--only', 'pareto'])
+  record = reproduce.run_record(['--only', 'pareto'], list(reproduce.SHIPPED))
   assert record['command'] == 'python benchmarks/reproduce.py --only pareto'
   assert record['machine'] and record['date'].endswith('UTC')
+  assert record['drafters'] == reproduce.drafters_digest(reproduce.SHIPPED)
