@@ -103,3 +103,20 @@ def test_roofline_prediction_at_qwen3_8b_shapes():
   expected = (2 * n_params + kv) / (chip.bandwidth * chip.bw_eff) + chip.launch_s
   assert abs(costs.ar_step - expected) / expected < 0.03
   assert costs.verify[16] >= costs.ar_step * 0.999  # memory-bound: no cheaper than one step
+
+
+def test_roofline_draft_reads_only_the_drafters_head_rows():
+  """A drafter with an N-token head reads N rows of the LM head per pass (decoding gathers them
+  once), not the whole vocabulary: at Qwen3-8B's shapes a drafter pass is memory-bound, so its
+  predicted time follows the bytes, and the difference is exactly the rows it skips."""
+  tcfg = costmodel.TARGETS['qwen3-8b']
+  chip = costmodel.CHIPS['h200']
+  gen = AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+  full = costmodel.paper_drafter(tcfg)
+  small = dataclasses.replace(full, head_vocab=8192)
+  specs = [SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d) for d in (full, small)]
+  draft = [costmodel.predict(tcfg, chip, [s], context=256, sizes=(16,)).draft[
+      costmodel.draft_key(s)] for s in specs]
+  skipped = (tcfg.vocab_size - 8192) * tcfg.d_model * 2  # bfloat16 rows
+  assert abs((draft[0] - draft[1]) - skipped / (chip.bandwidth * chip.bw_eff)) < 0.02 * (
+      draft[0] - draft[1])

@@ -323,11 +323,13 @@ def predict(tcfg: model_lib.ModelConfig, chip: Chip, specs: list[SP.SpecSettings
     state = _abstract(lambda p, b, l, k: SP.init_state(p, tcfg, spec, b, l, k, cache_size),
                       bundle, block, lens, keys)
     flops = _program_flops(SP.draft, (1, 2), bundle, tcfg, spec, state)
-    # Each drafter pass reads its weights, the target's LM head and its context K/V.
-    head = tcfg.vocab_size * tcfg.d_model * jnp.dtype(tcfg.dtype).itemsize
+    # Each drafter pass reads its weights, its rows of the target's LM head (all of them, or
+    # the head_vocab rows decoding gathers once) and its context K/V.
     nbytes = 0
     for name in drafting.get(spec.method).drafter_passes:
       dcfg = getattr(spec, name)
+      head = ((dcfg.head_vocab or tcfg.vocab_size) * tcfg.d_model *
+              jnp.dtype(tcfg.dtype).itemsize)
       nbytes += _nbytes(dparams[name]) + head + _kv_bytes(
           dcfg.n_layers, dcfg.n_kv_heads, dcfg.head_dim, context, batch, tcfg.dtype)
     draft_s[draft_key(spec)] = roofline(flops, nbytes) * max(spec.steps, 1)
