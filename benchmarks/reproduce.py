@@ -389,7 +389,7 @@ def _measured(res: dict, section: str, name: str | None = None,
     return f'({section}: no run record)'
   other = ''
   if shipped is not None and run.get('drafters') not in (None, shipped):
-    other = (f"; **earlier drafters** ({run['drafters']['drafter1']} / "
+    other = (f"; **other drafters** ({run['drafters']['drafter1']} / "
              f"{run['drafters']['drafter2']}), not the shipped ones: rerun `--only {section}`")
   return f"({section}: {run['date']}, {run['machine']}, `{run['command']}`{other})"
 

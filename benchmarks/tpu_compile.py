@@ -214,27 +214,25 @@ def accelerator_tables(kept: dict) -> str:
   # The shipped SmolLM2 drafters: tau measured here (it does not depend on the hardware).
   with open(os.path.join(ROOT, 'results', 'reproduce.json')) as f:
     rep = json.load(f)
-  taus = {r['method']: r['tau'] for r in rep['ladder']['humaneval_chat']}
-  # the best-first trees at their budget (C.TREE_BUDGET nodes, as compiled) from the trees run
-  taus.update({r['method']: r['tau'] for r in rep.get('trees', {}).get('humaneval_chat', [])
-               if r['method'] in ('ddtree', 'd2sd_tree')})
-  run = rep['runs']['ladder']
+  # From the trees run when it has HumanEval chat (every method of the table, the trees at
+  # their budget, C.TREE_BUDGET nodes, as compiled), else the ladder's (no trees).
+  methods = ('pld', 'dflash', 'd2sd', 'ddtree', 'd2sd_tree')
+  section = 'trees' if 'humaneval_chat' in rep.get('trees', {}) else 'ladder'
+  taus = {r['method']: r['tau'] for r in rep[section]['humaneval_chat'] if r['method'] in methods}
+  run = rep['runs'][section]
   rows = []
   for result in kept.values():
     if result['target'] != 'smollm2':
       continue
     est = C.step_estimates(result)
-    for method in ('pld', 'dflash', 'd2sd', 'ddtree', 'd2sd_tree'):
+    for method in methods:
       if method in est and 'ar' in est and method in taus:
         rows.append(f"| {result['chip']} | {method} | {taus[method]:.2f} | "
                     f"{est[method] / est['ar']:.2f} AR | "
                     f"{taus[method] * est['ar'] / est[method]:.2f}× |")
   if rows:
-    trees = rep['runs'].get('trees')
     out += ['**The shipped SmolLM2 drafters** (gamma 8, K = 4; tau on HumanEval in the chat '
             f"template from results/reproduce.json: {run['date']}, `{run['command']}`"
-            + (f"; ddtree and d2sd_tree at {C.TREE_BUDGET} nodes: {trees['date']}, "
-               f"`{trees['command']}`" if trees else '') +
             "), with the TPU compiler's cycle estimates above (context 256)", '',
             '| chip | method | tau | cycle | predicted speed-up |', '|---|---|---|---|---|'] + rows
   return '\n'.join(out).rstrip() + '\n'

@@ -179,10 +179,10 @@ def test_a_table_measured_with_other_drafters_says_so(tmp_path):
   assert reproduce.drafters_digest([str(d1), str(d2)])['drafter1'] != first['drafter1']
   run = {'date': 'D', 'machine': 'M', 'command': 'c', 'drafters': first}
   res = {'runs': {'ladder': run}}
-  assert 'earlier drafters' in reproduce._measured(res, 'ladder', shipped=second)
+  assert 'other drafters' in reproduce._measured(res, 'ladder', shipped=second)
   assert '--only ladder' in reproduce._measured(res, 'ladder', shipped=second)
-  assert 'earlier' not in reproduce._measured(res, 'ladder', shipped=first)
-  assert 'earlier' not in reproduce._measured(res, 'ladder')  # nothing to compare with
+  assert 'other drafters' not in reproduce._measured(res, 'ladder', shipped=first)
+  assert 'other drafters' not in reproduce._measured(res, 'ladder')  # nothing to compare with
 
 
 @pytest.mark.slow
