@@ -24,6 +24,7 @@ import re
 import shlex
 import sys
 
+from d2sd_jax import files
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.perf import costmodel
@@ -185,14 +186,7 @@ def markdown(record: dict) -> str:
 
 def write_markdown(text: str, path: str = README) -> None:
   """Puts `text` between the file's gpu_results.py markers."""
-  with open(path) as f:
-    doc = f.read()
-  if doc.count(BEGIN) != 1 or doc.count(END) != 1:
-    raise SystemExit(f'{path} needs one {BEGIN} ... {END} block')
-  head, rest = doc.split(BEGIN)
-  _, tail = rest.split(END)
-  with open(path, 'w') as f:
-    f.write(head + BEGIN + '\n' + text + END + tail)
+  files.replace_block(path, BEGIN, END, text)
 
 
 if __name__ == '__main__':

@@ -61,6 +61,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
+from d2sd_jax import files  # pylint: disable=wrong-import-position
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
@@ -421,14 +422,7 @@ def headline(out_dir: str) -> str:
 
 def replace_generated(path: str, text: str) -> None:
   """Puts `text` between the file's generated-block markers (the rest is left alone)."""
-  with open(path) as f:
-    page = f.read()
-  if page.count(BEGIN) != 1 or page.count(END) != 1:
-    raise SystemExit(f'{path} needs one {BEGIN} ... {END} block')
-  head, rest = page.split(BEGIN)
-  _, tail = rest.split(END)
-  with open(path, 'w') as f:
-    f.write(head + BEGIN + '\n' + text.strip('\n') + '\n' + END + tail)
+  files.replace_block(path, BEGIN, END, text.strip('\n') + '\n')
 
 
 def generated(path: str) -> str:

@@ -240,15 +240,7 @@ def accelerator_tables(kept: dict) -> str:
 
 def write_markdown(text: str, path: str = None) -> None:
   """Puts `text` between the markers of `path` (docs/scale-out.md)."""
-  path = path or DOC
-  with open(path) as f:
-    doc = f.read()
-  if BEGIN not in doc or END not in doc:
-    raise ValueError(f'{path} lacks the markers {BEGIN} ... {END}: add them where the tables go')
-  head, rest = doc.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  with open(path, 'w') as f:
-    f.write(head + BEGIN + '\n' + text + END + tail)
+  files.replace_block(path or DOC, BEGIN, END, text)
 
 
 def readme_tables() -> str:

@@ -26,3 +26,18 @@ def write_json(path: str, obj) -> None:
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   with replaced(path) as tmp, open(tmp, 'w') as f:
     json.dump(obj, f, indent=1)
+
+
+def replace_block(path: str, begin: str, end: str, text: str) -> None:
+  """Puts `text` (ending in a newline) between the page's one `begin` and one `end` marker,
+  leaving the rest of the page as it was; written whole. A page without exactly one pair of
+  markers is refused with a message naming them."""
+  with open(path) as f:
+    page = f.read()
+  if page.count(begin) != 1 or page.count(end) != 1:
+    raise SystemExit(f'{path} needs one {begin} ... {end} block: add the markers where the '
+                     'generated text goes')
+  head, rest = page.split(begin)
+  _, tail = rest.split(end)
+  with replaced(path) as tmp, open(tmp, 'w') as f:
+    f.write(head + begin + '\n' + text + end + tail)
