@@ -36,8 +36,8 @@ RECORD = os.path.join(ROOT, 'results', 'gpu.json')
 README = os.path.join(ROOT, 'README.md')
 BEGIN, END = '<!-- gpu_results.py --markdown: begin -->', '<!-- gpu_results.py --markdown: end -->'
 # What each run of benchmarks/gpu_session.sh trained (its MODE, the run's name there).
-RUNS = {'d1': 'drafter 1 from the drafter shipped before (3,000 CPU steps), lr 3e-4',
-        'd2': 'drafter 2 from the drafter shipped before (1,000 CPU steps), lr 2e-4',
+RUNS = {'d1': 'drafter 1 from drafters/smollm2-drafter1, lr 3e-4',
+        'd2': 'drafter 2 from drafters/smollm2-drafter2, lr 2e-4',
         'd1b': 'drafter 1 on from d1 (MODE=more), lr 2e-4',
         'd2b': 'drafter 2 on from d2 (MODE=more), lr 2e-4'}
 COMMAND = ('OUT=DIR bash benchmarks/gpu_session.sh 565 (on the GPU), then '

@@ -11,9 +11,10 @@
 #      96 new tokens, tree budget 16, shipped drafters): AR, pld, dflash, d2sd, ddtree and
 #      d2sd_tree tokens/s and tau, each checked token for token against AR.
 #   2. metrics_d1.jsonl / metrics_d2.jsonl (and the logs' tails in session.log): drafter 1
-#      (12,000 more steps from the shipped one: 5x its 3,000) and drafter 2 (4,000 more:
-#      5x its 1,000), trained side by side on the GPU with the target's features computed in
-#      the step, each stopped cleanly (SIGTERM saves a checkpoint) if time runs out.
+#      (12,000 more steps from drafters/smollm2-drafter1) and drafter 2 (4,000 more from
+#      drafters/smollm2-drafter2), trained side by side on the GPU with the target's features
+#      computed in the step, each stopped cleanly (SIGTERM saves a checkpoint) if time runs out.
+#      (The shipped drafters came out of this script run on the CPU-trained ones of f105a34.)
 #   3. drafter1.tar / drafter2.tar: the exports (bfloat16, as drafters/ ships them), and
 #      drafter1.npz / drafter2.npz: the same parameters (bfloat16 bits as uint16) and metadata
 #      as plain arrays, readable whatever orbax version wrote the tar.
@@ -21,8 +22,7 @@
 # trains both drafters on from step 2's runs (drafter 1: 15,000 more steps, drafter 2: 6,000,
 # learning rate 2e-4), exporting those instead. At most 8 files, as a lent machine returns.
 # Getting the 98 MB target onto a machine that takes 64 MiB a call: docs/results.md (GPU).
-# τ of the exports is measured on a CPU afterwards
-# (τ does not depend on the hardware).
+# τ of the exports is measured on a CPU afterwards (τ does not depend on the hardware).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 BUDGET=${1:-560}
