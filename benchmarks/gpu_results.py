@@ -10,8 +10,9 @@ SmolLM2's shapes with the shipped drafters' configs: tau (measured there; it doe
 the hardware) × AR step / cycle, where the AR step and the cycle are the roofline costs of the
 same programs (`costmodel.predict`); and each training run's held-out evaluations.
 --record keeps the whole in results/gpu.json under the chip's name (--markdown then reads it
-from there when OUT is not given); --markdown prints the tables, --write puts them into the
-README between its gpu_results.py markers.
+from there when OUT is not given); --markdown prints the tables, --write puts the decoding
+table into the README and the training runs into docs/training.md, between their gpu_results.py
+markers.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from d2sd_jax.spec import speculative as SP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, 'results', 'gpu.json')
 README = os.path.join(ROOT, 'README.md')
+TRAINING = os.path.join(ROOT, 'docs', 'training.md')
 BEGIN, END = '<!-- gpu_results.py --markdown: begin -->', '<!-- gpu_results.py --markdown: end -->'
 # What each run of benchmarks/gpu_session.sh trained (its MODE, the run's name there).
 RUNS = {'d1': 'drafter 1 from drafters/smollm2-drafter1, lr 3e-4',
@@ -106,19 +108,32 @@ def main():
   parser.add_argument('--date', default='', help="the lease's date, if session.log lacks it")
   parser.add_argument('--record', action='store_true', help='keep it in results/gpu.json')
   parser.add_argument('--markdown', action='store_true')
-  parser.add_argument('--write', action='store_true', help='with --markdown: into the README')
+  parser.add_argument('--write', action='store_true', help='with --markdown: into the README and docs/training.md')
   args = parser.parse_args()
-  if not args.out:
-    if not args.markdown:
-      parser.error('give the folder gpu_session.sh filled, or --markdown')
+  if args.out:
+    record = lease_record(args)
+    print(json.dumps(record))
+    if args.record:
+      kept = {}
+      if os.path.exists(RECORD):
+        with open(RECORD) as f:
+          kept = json.load(f)
+      files.write_json(RECORD, {**kept, args.chip: record})
+  elif args.markdown:
     with open(RECORD) as f:
       record = json.load(f)[args.chip]
-    text = markdown(record)
-    print(text)
+  else:
+    parser.error('give the folder gpu_session.sh filled, or --markdown')
+  if args.markdown:
+    print(markdown(record))
+    print(training_markdown(record))
     if args.write:
-      write_markdown(text)
-    return
+      write_markdown(record)
 
+
+def lease_record(args) -> dict:
+  """What --record keeps: the lease's rows beside the roofline's predictions, its settings,
+  machine, date and command, and its training runs."""
   lease = read_lease(args.out)
   methods = [r['method'] for r in lease['rows'] if r['method'] != 'ar']
   steps, costs = predictions(methods, args.chip, args.drafter1, args.drafter2)
@@ -134,7 +149,7 @@ def main():
                  'predicted_ar_steps_per_cycle': round(steps[r['method']], 3),
                  'predicted_speedup': round(r['tau'] / steps[r['method']], 2)})
   s = lease['summary']
-  record = {
+  return {
       'command': ' '.join([COMMAND, *(shlex.quote(a) for a in sys.argv[1:])]),
       'date': lease['date'] or args.date, 'machine': lease['machine'],
       'settings': (f"{s.get('prompts')} prompts ({s.get('prompts_file')}), "
@@ -145,24 +160,10 @@ def main():
                    'ar_step_ms': round(1e3 * costs.ar_step, 4),
                    'measured_ar_step_ms': ar_row['ms_per_token']},
       'rows': rows, 'training': lease['training']}
-  print(json.dumps(record))
-  if args.record:
-    kept = {}
-    if os.path.exists(RECORD):
-      with open(RECORD) as f:
-        kept = json.load(f)
-    kept[args.chip] = record
-    with open(RECORD, 'w') as f:
-      json.dump(kept, f, indent=1)
-      f.write('\n')
-  if args.markdown:
-    print(markdown(record))
-    if args.write:
-      write_markdown(markdown(record))
 
 
 def markdown(record: dict) -> str:
-  """The decoding table (measured beside predicted) and the training runs' evaluations."""
+  """The decoding table: measured beside the roofline's prediction."""
   roof = record['roofline']
   lines = [f"**{record['machine']}**: {record['settings']} ({record['date']}, "
            f"`{record['command']}`). AR step measured {roof['measured_ar_step_ms']} ms; the "
@@ -173,20 +174,27 @@ def markdown(record: dict) -> str:
   for r in record['rows']:
     lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | "
                  f"{r['speedup']:.2f}× | {r['predicted_speedup']:.2f}× |")
-  if record.get('training'):
-    lines += ['', '| training run | steps | sequence tokens/s | held-out loss | held-out chain τ '
-              'estimate |', '|---|---|---|---|---|']
-    for run, t in record['training'].items():
-      first, last = t['evals'][0], t['evals'][-1]
-      lines.append(f"| {run}: {t['what']} | {t['steps']:,} | {t['sequence_tokens_per_s']:,.0f} | "
-                   f"{first['loss']} (step {first['step']:,}) → {last['loss']} | "
-                   f"{first['tau_estimate']} → {last['tau_estimate']} |")
   return '\n'.join(lines) + '\n'
 
 
-def write_markdown(text: str, path: str = README) -> None:
-  """Puts `text` between the file's gpu_results.py markers."""
-  files.replace_block(path, BEGIN, END, text)
+def training_markdown(record: dict) -> str:
+  """The training runs' held-out evaluations, first and last."""
+  lines = [f"Training runs of the lease ({record['machine']}, {record['date']}):", '',
+           '| run | steps | sequence tokens/s | held-out loss | held-out chain τ estimate |',
+           '|---|---|---|---|---|']
+  for run, t in record.get('training', {}).items():
+    first, last = t['evals'][0], t['evals'][-1]
+    lines.append(f"| {run}: {t['what']} | {t['steps']:,} | {t['sequence_tokens_per_s']:,.0f} | "
+                 f"{first['loss']} (step {first['step']:,}) → {last['loss']} | "
+                 f"{first['tau_estimate']} → {last['tau_estimate']} |")
+  return '\n'.join(lines) + '\n'
+
+
+def write_markdown(record: dict, readme: str = README, training: str = TRAINING) -> None:
+  """The decoding table into the README, the training runs into docs/training.md, each between
+  its gpu_results.py markers."""
+  files.replace_block(readme, BEGIN, END, markdown(record))
+  files.replace_block(training, BEGIN, END, training_markdown(record))
 
 
 if __name__ == '__main__':

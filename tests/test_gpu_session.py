@@ -36,8 +36,9 @@ def fake_lease(out):
 
 
 def test_read_lease_and_its_tables(tmp_path):
-  """The rows, the machine and date from the log, each run's evaluations in order; the markdown
-  has one row per method and per run; --write replaces only the README's marked block."""
+  """The rows, the machine and date from the log, each run's evaluations in order; the tables
+  have one row per method and per run; --write replaces only the marked blocks of the README
+  (decoding) and docs/training.md (training runs)."""
   out = str(tmp_path / 'lease')
   fake_lease(out)
   lease = gpu_results.read_lease(out)
@@ -57,15 +58,18 @@ def test_read_lease_and_its_tables(tmp_path):
                       'predicted_speedup': 1.8}],
             'training': lease['training']}
   text = gpu_results.markdown(record)
-  assert '| pld | 2.50 | 1000 | 2.00× | 1.80× |' in text
-  assert '3.0 (step 1,000) → 2.5 | 1.5 → 1.8 |' in text and '| d2b: ' in text
-  page = tmp_path / 'README.md'
-  page.write_text(f'intro\n{gpu_results.BEGIN}\nold\n{gpu_results.END}\noutro\n')
-  gpu_results.write_markdown(text, str(page))
-  assert page.read_text() == f'intro\n{gpu_results.BEGIN}\n{text}{gpu_results.END}\noutro\n'
-  page.write_text('no markers\n')
+  assert '| pld | 2.50 | 1000 | 2.00× | 1.80× |' in text and 'd1' not in text
+  runs = gpu_results.training_markdown(record)
+  assert '3.0 (step 1,000) → 2.5 | 1.5 → 1.8 |' in runs and '| d2b: ' in runs
+  readme, training = tmp_path / 'README.md', tmp_path / 'training.md'
+  for page in (readme, training):
+    page.write_text(f'intro\n{gpu_results.BEGIN}\nold\n{gpu_results.END}\noutro\n')
+  gpu_results.write_markdown(record, str(readme), str(training))
+  assert readme.read_text() == f'intro\n{gpu_results.BEGIN}\n{text}{gpu_results.END}\noutro\n'
+  assert training.read_text() == f'intro\n{gpu_results.BEGIN}\n{runs}{gpu_results.END}\noutro\n'
+  training.write_text('no markers\n')
   with pytest.raises(SystemExit, match='needs one'):
-    gpu_results.write_markdown(text, str(page))
+    gpu_results.write_markdown(record, str(readme), str(training))
 
 
 @pytest.mark.slow
