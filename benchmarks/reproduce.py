@@ -11,7 +11,8 @@
 Everything runs through `d2sd_jax.load(...).generate` (decode.py's path), batch 1. The ladder,
 trees and sampled sections decode in turns, each prompt by every method before the next prompt,
 so the machine's drift weighs on every row alike (`lossless_rows`):
-- ladder: ar, pld, dflash, dflash_resample, dflash_dflash, d2sd and d2sd_pld, greedy, on
+- ladder: ar, pld, dflash, dflash_resample, dflash_dflash, d2sd, d2sd_pld, and the best-first
+  trees ddtree and d2sd_tree at node budget TREE_BUDGET, greedy, on
   HumanEval in the chat template, HumanEval as plain completion, and a non-code chat set
   (benchmarks/prompts/prose.jsonl): tau, decode tokens/s, speed-up over AR in the same run,
   per-stage times. Every method's completions must equal AR's (lossless), or the run stops.
@@ -66,7 +67,8 @@ from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-im
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 SECTIONS = ('ladder', 'trees', 'sampled', 'scaling', 'pareto', 'calibration')
-LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld')
+LADDER = ('ar', 'pld', 'dflash', 'dflash_resample', 'dflash_dflash', 'd2sd', 'd2sd_pld',
+          'ddtree', 'd2sd_tree')  # the best-first trees at TREE_BUDGET nodes
 TREE_BUDGET = 16  # nodes verified per cycle by the budgeted rows, the anchor included
 # (row label, method, knobs): D²SD both with its own 36-node tree and cut to the same budget
 TREES = (('ar', 'ar', {}), ('pld', 'pld', {}), ('dflash', 'dflash', {}),
@@ -160,8 +162,9 @@ def ladder(dec, n: int, tokens: int, stage_times: bool = True) -> dict:
   sets = {'humaneval_chat': ([p['prompt'] for p in humaneval(n)], True),
           'humaneval_plain': ([p['prompt'] for p in humaneval(n)], False),
           'prose_chat': (prose(n), True)}
+  budget = lambda m: {'tree_budget': TREE_BUDGET} if m in ('ddtree', 'd2sd_tree') else {}
   return lossless_rows(dec, 'ladder', sets, [
-      (m, m, {'stage_times': stage_times and m != 'ar'}) for m in LADDER], tokens)
+      (m, m, {'stage_times': stage_times and m != 'ar', **budget(m)}) for m in LADDER], tokens)
 
 
 def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=None) -> dict:
