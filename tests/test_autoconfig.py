@@ -14,7 +14,6 @@ from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import drafter as D
 from d2sd_jax.perf import throughput
-from d2sd_jax.spec import drafting
 
 TDCFG = D.DrafterConfig(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                         d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
@@ -380,39 +379,6 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   # a probed record is not the prior's to refine
   path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
   assert autoconfig.learn(str(path), short, 1) is None
-
-
-def test_learn_takes_prompt_lookups_tau_from_the_replayed_completions(tmp_path):
-  """Prompt lookup's τ needs no decode of its own: each batch's completions, replayed
-  (drafting.replay_lookup), give it, weighed by RECENCY like a measurement. Completions that
-  repeat nothing take it from its prior's 2.4 to 1 (AR is chosen, not prompt lookup to find
-  out); a batch that repeats its prompt raises it again."""
-  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 2.4, 1.4),
-          'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
-  def fresh():
-    path = tmp_path / 'r.json'
-    path.write_text(json.dumps(_prior_record(rows)))
-    autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
-                                 'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
-    return str(path)
-  # d2sd_tree accepts little on these prompts: τ 1.5 at 85 ms, 17.6 tokens/s, below AR's 20
-  tree = {'decode_tokens': 30, 'cycles': 20, 'decode_s': 1.7, 'decode_steps': 20}
-  prompt, novel = list(range(1, 11)), list(range(11, 42))  # 31 tokens, none seen before
-  # without the completions, prompt lookup keeps its prior: 2.4 / 70 ms = 34 tokens/s
-  rec = autoconfig.learn(fresh(), tree, 1)
-  assert rec['auto_choice'] == 'pld' and rec['auto_candidates']['pld']['tau'] == 2.4
-  path = fresh()
-  rec = autoconfig.learn(path, tree, 1, decoded=([prompt], [novel]))
-  assert rec['replayed']['pld'] == {'decode_tokens': 30, 'cycles': 30}
-  assert rec['auto_candidates']['pld']['tau'] == 1.0 and rec['auto_choice'] == 'ar'
-  assert not rec['auto_candidates']['pld']['measured']
-  # a batch whose completion repeats its prompt: the earlier replay weighs RECENCY
-  echo = list(range(100, 130))
-  accepted = drafting.replay_lookup(echo, echo, 8, 3)
-  assert max(accepted) == 7  # (whole proposals accepted)
-  rec = autoconfig.learn(path, tree, 1, decoded=([echo], [echo]))
-  tau = (29 + autoconfig.RECENCY * 30) / (len(accepted) + autoconfig.RECENCY * 30)
-  assert rec['auto_candidates']['pld']['tau'] == pytest.approx(tau, abs=1e-3)
 
 
 def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_path):

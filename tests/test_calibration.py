@@ -44,6 +44,29 @@ def test_reliability_plot_writes_a_png(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
+def test_lookup_proposal_is_drafting_pld_rule():
+  """C.lookup_proposal (plain Python) proposes what drafting.lookup proposes, on
+  random sequences of a 4-token alphabet (matches of every length, repeats, no match)."""
+  import collections  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec import drafting  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  State = collections.namedtuple('State', 'seq_BxL seq_len_B')
+  Settings = collections.namedtuple('Settings', 'gamma ngram_max')
+  settings = Settings(5, 3)
+  L = 24
+  lens = rng.integers(1, L, 64)
+  seqs = rng.integers(0, 4, (64, L))
+  draft, valid, matched = jax.jit(drafting.lookup, static_argnums=0)(
+      settings, State(jnp.asarray(seqs, jnp.int32), jnp.asarray(lens, jnp.int32)))
+  kinds = set()
+  for b in range(64):
+    tokens, n = C.lookup_proposal(seqs[b, :lens[b]].tolist(), 5, 3)
+    got = [int(t) for t, v in zip(draft[b], valid[b]) if v]
+    assert (got, int(matched[b])) == (tokens, n), b
+    kinds.add(n)
+  assert kinds == {0, 1, 2, 3}  # every case happened
+
+
 def test_lookup_accept_rates_by_hand():
   """[1, 2, 3, 1, 2, 4], prompt of 3: at t = 4 the tail [1] proposes [2, 3]; 2 is accepted,
   3 is not (4 followed): rate 1 / (1 + 1). A fully accepted proposal adds no stop."""

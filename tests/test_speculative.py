@@ -1,6 +1,4 @@
 """The speculative step: equal to AR (every method), caches equal a fresh prefill, one program."""
-import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,55 +30,6 @@ def test_pld_greedy_equals_ar(tiny, gamma):
   ar, sp, state = run_both(cfg, params, PROMPTS, spec)
   assert sp == ar
   assert int(state.accepted_hist_BxC[:, 1:].sum()) > 0  # drafts were accepted along the way
-
-
-def test_lookup_proposal_is_drafting_pld_rule():
-  """drafting.lookup_proposal (numpy, one row) proposes what drafting.lookup (the program's)
-  proposes, on random sequences of a 4-token alphabet (matches of every length, repeats, no
-  match)."""
-  rng = np.random.default_rng(0)
-  State = collections.namedtuple('State', 'seq_BxL seq_len_B')
-  Settings = collections.namedtuple('Settings', 'gamma ngram_max')
-  settings = Settings(5, 3)
-  L = 24
-  lens = rng.integers(1, L, 64)
-  seqs = rng.integers(0, 4, (64, L))
-  draft, valid, matched = jax.jit(drafting.lookup, static_argnums=0)(
-      settings, State(jnp.asarray(seqs, jnp.int32), jnp.asarray(lens, jnp.int32)))
-  kinds = set()
-  for b in range(64):
-    tokens, n = drafting.lookup_proposal(seqs[b, :lens[b]].tolist(), 5, 3)
-    got = [int(t) for t, v in zip(draft[b], valid[b]) if v]
-    assert (got, int(matched[b])) == (tokens, n), b
-    kinds.add(n)
-  assert kinds == {0, 1, 2, 3}  # every case happened
-
-
-def test_replayed_lookup_by_hand():
-  """prompt 1 2 3 4 5 6 7 8 1 2, completion 3 4 5 6 9 7 1 2 3 4 (gamma 5): the tail 1 2 3
-  proposes 4 5 6 7, three accepted (the cycle commits 4 5 6 9); nothing matches 5 6 9; the tail
-  7 proposes 8 1 2 3, none accepted; the tail 1 (latest match) proposes 2 3 4 5 and the last
-  three tokens are accepted: 4 cycles for the 9 decoded tokens."""
-  assert drafting.replay_lookup([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], [3, 4, 5, 6, 9, 7, 1, 2, 3, 4],
-                                gamma=5, ngram_max=3) == [3, 0, 0, 3]
-  assert drafting.replay_lookup([1, 2], [3], gamma=5, ngram_max=3) == []  # the prefill's alone
-
-
-@pytest.mark.parametrize('gamma', [3, 6])
-def test_replayed_lookup_counts_the_cycles_pld_ran(tiny, gamma):
-  """drafting.replay_lookup, from the prompt and the committed tokens alone, counts the cycles
-  pld ran on each row (method=auto learns prompt lookup's τ from it without decoding with it),
-  rows stopped by the length limit and by EOS; drafts accepted several deep on a real target:
-  test_pld_on_smollm2_equals_reference_greedy."""
-  cfg, params = tiny
-  gen = AR.GenerationSettings(max_new_tokens=23, eos_ids=(), pad_id=0)
-  eos = H.ar_outputs(cfg, params, PROMPTS[:1], gen)[0][12]  # the first row stops at its 13th
-  spec = SP.SpecSettings(dataclasses.replace(gen, eos_ids=(eos,)), method='pld', gamma=gamma)
-  ar, sp, state = run_both(cfg, params, PROMPTS, spec)
-  assert sp == ar and len(sp[0]) == 13 and any(len(row) == 23 for row in sp)
-  replayed = [drafting.replay_lookup(p, row, gamma, spec.ngram_max) for p, row in zip(PROMPTS, sp)]
-  assert [len(r) for r in replayed] == np.asarray(state.cycles_B).tolist()
-  assert sum(map(sum, replayed)) > 0  # (drafts were accepted)
 
 
 def test_tiny_target_is_not_degenerate(tiny):
@@ -208,12 +157,6 @@ def test_pld_on_smollm2_equals_reference_greedy(smollm2):
     n = next((i for i, m in enumerate(case['margins']) if m < 1e-3), 32)
     assert out[b, :n].tolist() == case['greedy_ids'][:n], case['prompt']
   assert int(state.accepted_hist_BxC[:, 1:].sum()) > 0
-  # prompt lookup replayed on what it committed (what method=auto learns its τ from) counts the
-  # cycles it ran, with drafts accepted several deep
-  replayed = [drafting.replay_lookup(c['prompt_ids'], out[b, :state.num_out_B[b]].tolist(), 6,
-                                     spec.ngram_max) for b, c in enumerate(cases)]
-  assert [len(r) for r in replayed] == np.asarray(state.cycles_B).tolist()
-  assert max(map(max, replayed)) >= 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,15 +11,13 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
               written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
               cycle in AR steps, for a platform and batch). No probing: this machine's AR step
               is timed once (AR_TIMING_TOKENS steps, after a run that warms the program up),
-              and the first batch decodes with the best prediction. Every batch then teaches
-              the next (`learn`): the chosen candidate's measured τ and cycle time become its
-              prediction (a timed candidate measured slower or faster later moves every cycle
-              alike: the machine drifted), the other drafter candidates' cycles follow the AR
-              step the measured ones imply (prompt lookup's follow AR's own), the drafter
-              candidates' τ follow the ratio their measured ones showed to the prior (the
-              prompts are easier or harder for the drafters), prompt lookup's τ is replayed on
-              the batch's completions (what it would have accepted on them: no decode of its
-              own), and the next batch, or the next request, decodes with whichever now
+              and the first batch decodes with the best prediction. Every batch then teaches the next (`learn`): the chosen candidate's
+              measured τ and cycle time become its prediction (a timed candidate measured
+              slower or faster later moves every cycle alike: the machine drifted), the other
+              drafter candidates' cycles follow the AR step the measured ones imply (prompt
+              lookup's follow AR's own), the drafter candidates' τ follow the ratio their
+              measured ones showed to the prior (the prompts are easier or harder for the
+              drafters), and the next batch, or the next request, decodes with whichever now
               predicts fastest, measuring it in turn;
   probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
               candidate decodes the request's first PROBE_PROMPTS prompts for up to
@@ -256,14 +254,11 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
           'not_in_prior': missing, 'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
 
 
-def learn(path: str, measured: dict, batch: int, label: str | None = None,
-          decoded: tuple | None = None) -> dict | None:
+def learn(path: str, measured: dict, batch: int, label: str | None = None) -> dict | None:
   """After a decode (or one batch of a request) chosen from a prior: what it measured of the
   chosen candidate, or of `label` (`measured`: decode_tokens, cycles, decode_s, decode_steps) is
   added to that candidate's totals, the earlier ones weighed by RECENCY (acceptance follows the
-  prompts, which change), and the predictions are remade. With `decoded` (the batch's prompt ids
-  and completion ids), prompt lookup's acceptance on these completions is replayed
-  (drafting.replay_lookup: exact at T = 0) and added to its candidates' own totals alike:
+  prompts, which change), and the predictions are remade:
 
   - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted by
     its own totals: τ = tokens / cycles, and its cycle is its program's cost times how slow the
@@ -279,9 +274,8 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None,
     each falling back to whatever is measured;
   - the others' τ: a drafter's acceptance tells of the prompts, so every unmeasured candidate
     that drafts with the drafters has its extra tokens (τ - 1) scaled by the ratio the drafter
-    candidate measured last shows (its measured τ - 1 over its prior's); prompt lookup's is its
-    replayed τ (it depends on repetition, not on the drafters, and needs no decode of its own
-    to be known: a prompt set where it accepts little is not explored with it), else its prior.
+    candidate measured last shows (its measured τ - 1 over its prior's); prompt lookup's keeps
+    its prior until measured, as it depends on repetition, not on the drafters.
 
   The remembered choice becomes whichever now predicts fastest: generate's next batch (or the
   next request) decodes with it and measures it in turn. Returns the rewritten record, or None
@@ -307,14 +301,6 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None,
   entry['unit_s'] = measured['decode_s'] / machine + (RECENCY * old['unit_s'] if old else 0)
   record['measured'][label] = entry
   record['machine'] = machine
-  if decoded is not None:
-    replayed = record.setdefault('replayed', {})
-    for name, row in table.items():
-      if row['method'] == 'pld':
-        tokens, cycles = replay(row['spec'], *decoded)
-        before = replayed.get(name, {'decode_tokens': 0, 'cycles': 0})
-        replayed[name] = {'decode_tokens': tokens + RECENCY * before['decode_tokens'],
-                          'cycles': cycles + RECENCY * before['cycles']}
   if table[label]['method'] not in ('ar', 'pld'):
     record['scale_from'] = label  # the drafters' latest word on these prompts
   timed = {name: m for name, m in record['measured'].items()
@@ -347,9 +333,6 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None,
       tau = row['prior_tau']
       if row['method'] not in ('ar', 'pld'):
         tau = 1.0 + (tau - 1.0) * scale
-      elif record.get('replayed', {}).get(name, {}).get('cycles'):
-        r = record['replayed'][name]
-        tau = r['decode_tokens'] / r['cycles']
       cycle = row['cycle_ar_steps'] * step_of.get(kind(name), step_of['pld'])
     row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
@@ -358,17 +341,6 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None,
                 source='prior+measured', prompt_scale=round(scale, 4))
   files.write_json(path, record)
   return record
-
-
-def replay(knobs: dict, prompt_ids: list[list[int]], completion_ids: list[list[int]]):
-  """(decode tokens, cycles) of prompt lookup with these knobs (a candidate's spec, the others
-  SpecSettings' defaults) on these completions, replayed (drafting.replay_lookup)."""
-  defaults = {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)
-              if f.default is not dataclasses.MISSING}
-  knobs = {**defaults, **knobs}
-  cycles = sum(len(drafting.replay_lookup(p, c, knobs['gamma'], knobs['ngram_max']))
-               for p, c in zip(prompt_ids, completion_ids))
-  return sum(len(c) - 1 for c in completion_ids), cycles
 
 
 def learns(path: str) -> bool:

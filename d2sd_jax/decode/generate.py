@@ -89,8 +89,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
       parts.append({'choice': label, 'prompts': len(part_ids)})
     record = autoconfig.learn(auto_stats['auto_file'], {
         'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
-        'decode_steps': part['decode_steps']}, batch,
-        decoded=(prompt_ids[start:start + step], part_ids))
+        'decode_steps': part['decode_steps']}, batch)
     if record['auto_choice'] != label and len(ids) < len(prompt_ids):
       print(f"auto: after {len(ids)} prompts, {label} now predicts "
             f"{record['auto_candidates'][label]['predicted_tokens_per_s']:.2f} tokens/s and "

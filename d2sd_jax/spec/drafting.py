@@ -21,7 +21,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import sampling as sampling_lib
@@ -108,45 +107,6 @@ def lookup(settings, state):
   draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
   valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
   return draft, valid, matched_B
-
-
-def lookup_proposal(seq, gamma: int, ngram_max: int) -> tuple[list[int], int]:
-  """`lookup`'s proposal after one row's committed tokens `seq`, in numpy: the tokens that
-  followed the latest earlier occurrence of the longest matching tail n-gram (n <= ngram_max)
-  whose continuation is longest (up to gamma - 1 tokens). Returns (tokens, n); n = 0: none."""
-  seq = np.asarray(seq, np.int64)
-  L, N = len(seq), gamma - 1
-  for n in range(min(ngram_max, L - 1), 0, -1):
-    # occurrences seq[j:j+n] of the tail that end before its last token (j + n <= L - 1)
-    windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)
-    hits = np.flatnonzero(np.all(windows == seq[L - n:], axis=1))
-    if hits.size:
-      follow = np.minimum(L - (hits + n), N)
-      start = int(hits[np.lexsort((hits, follow))[-1]]) + n  # longest continuation, then latest
-      return seq[start:start + N].tolist(), n
-  return [], 0
-
-
-def replay_lookup(prompt: list[int], completion: list[int], gamma: int,
-                  ngram_max: int) -> list[int]:
-  """The draft tokens prompt lookup would have had accepted in each cycle, had it decoded
-  `completion` (token ids; its first token is the prefill's) after `prompt`: `lookup`'s rule
-  replayed on the finished sequence, each cycle committing its accepted tokens and one more.
-  At T = 0 every lossless method commits the same tokens, so this is what `pld` accepts on these
-  prompts (its cycles exactly: tests/test_speculative.py) without decoding with it; when
-  sampling, a draft token counts as accepted where the sampled token equals it, an estimate of
-  sample-and-match's acceptance on that path."""
-  seq = list(prompt) + list(completion)
-  p, end = len(prompt) + 1, len(seq)
-  accepted = []
-  while p < end:
-    proposal, _ = lookup_proposal(seq[:p], gamma, ngram_max)
-    k = 0
-    while k < len(proposal) and p + k < end and proposal[k] == seq[p + k]:
-      k += 1
-    accepted.append(k)
-    p += k + 1
-  return accepted
 
 
 def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,

@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax.spec import drafting
-
 TEMPERATURES = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0)
 N_BINS = 10
 
@@ -84,6 +82,25 @@ def reliability_plot(curves: dict, path: str, title: str = '') -> str:
   return path
 
 
+def lookup_proposal(seq: list[int], gamma: int, ngram_max: int) -> tuple[list[int], int]:
+  """Prompt lookup's proposal after `seq` (drafting.pld's rule, in plain Python): the tokens that
+  followed the latest earlier occurrence of the longest matching tail n-gram (n <= ngram_max)
+  whose continuation is longest (up to gamma - 1 tokens). Returns (tokens, n); n = 0: none."""
+  L, N = len(seq), gamma - 1
+  for n in range(min(ngram_max, L - 1), 0, -1):
+    tail = seq[L - n:]
+    best = None
+    for j in range(0, L - n):  # a match seq[j:j+n] ending before the tail's last token
+      if j + n <= L - 1 and seq[j:j + n] == tail:
+        follow = min(L - (j + n), N)
+        if best is None or (follow, j) > best:
+          best = (follow, j)
+    if best is not None:
+      start = best[1] + n
+      return seq[start:start + N], n
+  return [], 0
+
+
 def lookup_accept_rates(sequences, prompt_lens, gamma: int, ngram_max: int, stride: int = 1):
   """Prompt lookup's per-token acceptance rate after a match of n = 1..ngram_max tokens, as
   d2sd_tree scores its nodes (settings.lookup_accept): greedy verification accepts a proposal's
@@ -94,7 +111,7 @@ def lookup_accept_rates(sequences, prompt_lens, gamma: int, ngram_max: int, stri
   acc, stops = np.zeros(ngram_max), np.zeros(ngram_max)
   for seq, p in zip(sequences, prompt_lens):
     for t in range(max(p, 1), len(seq) - 1, stride):
-      proposal, n = drafting.lookup_proposal(seq[:t], gamma, ngram_max)
+      proposal, n = lookup_proposal(seq[:t], gamma, ngram_max)
       if not n:
         continue
       k = 0
