@@ -231,9 +231,10 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   calls.clear()
   out, stats = generate_lib.generate(target, drafters, prompts,
                                      dataclasses.replace(base, method='auto'))
-  # AR's timing (1 token: no step; run twice, the first warms up), then a batch at a time: no
-  # probe
-  assert [n for n, _ in calls] == [1] * 5 and stats['auto_source'] == 'prior'
+  # AR's timing and the prior's pick's (1 token: no step, so no move; each run twice, the first
+  # warms up), then a batch at a time: no probe
+  assert [n for n, _ in calls] == [1] * 7 and stats['auto_source'] == 'prior'
+  assert stats['auto_timed'] == ['ar', 'pld(gamma=4)']
   assert json.loads(open(stats['auto_file']).read())['measured']['ar']['decode_steps'] == 0
   assert stats['auto_choice'] == 'pld(gamma=4)'  # the prior's choice decodes the first batch
   assert 'pld(gamma=4)' in stats['auto_reason'] and 'priors.json' in stats['auto_reason']
@@ -263,7 +264,9 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert [n for n, _ in calls] == [1] * 5 and stats2['auto_source'] == 'remembered'
+  # (AR's 1-token timing timed no step: the remembered record times it, and the pick, again)
+  assert [n for n, _ in calls] == [1] * (2 * len(stats2['auto_timed']) + 3)
+  assert stats2['auto_source'] == 'remembered'
   assert stats2['auto_parts'][0]['choice'] == record['auto_choice']
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
   # auto_probe: every candidate decodes the prompts (the first warms up), then the request
@@ -276,44 +279,59 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   assert [r['completion_ids'] for r in probed] == [r['completion_ids'] for r in ar]
 
 
-def test_auto_times_the_ar_step_once_before_its_first_choice_from_a_prior(
-    tiny_folder, auto_choices, monkeypatch, tmp_path):
-  """The prior counts cycles in AR steps: before the first batch, auto times AR_TIMING_TOKENS
-  steps of AR on it (outputs dropped) and chooses with this machine's AR step; a remembered
-  record that has it does not time again. Outputs equal AR's. (What the timing does to the
-  predictions: test_learn_... below; a tiny target's timings are too close to call here.)"""
+@pytest.mark.parametrize('timed_first', [3, 2])
+def test_auto_times_ar_and_the_priors_pick_before_its_first_choice(
+    tiny_folder, auto_choices, monkeypatch, tmp_path, timed_first):
+  """Before the first batch, auto times AR_TIMING_TOKENS tokens of AR on it (this machine's AR
+  step), then of the prior's pick, and of the next pick while the one timed falls below it, up
+  to TIMED_FIRST programs (outputs dropped); the first batch decodes with the best prediction
+  after them. Here every speculative program runs slowly: dflash (the prior's pick), then pld
+  (the next) are timed and AR decodes; with TIMED_FIRST 2, pld decodes untimed. A remembered
+  record does not time again. Outputs equal AR's."""
   target, drafters, calls = _auto_with_prior(
       tiny_folder, monkeypatch, tmp_path,
-      {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.0, 1.0), 'dflash': (1.5, 1.0)})
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.4, 1.0), 'dflash': (1.5, 1.0)})
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 12)
+  monkeypatch.setattr(autoconfig, 'TIMED_FIRST', timed_first)
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
   calls.clear()
-  # a program's first run pays a one-off cost: here 10 s for the timing program's, which the
-  # timing must not count
+  # a program's first run pays a one-off cost: here 10 s for the first timing program's, which
+  # the timing must not count; and every speculative run takes 5 s more
   counted, decode = [], runner_lib.decode_prompts
-  def first_run_slow(runner, *a, **k):
+  def slow(runner, *a, **k):
     ids, st = decode(runner, *a, **k)
     counted.append(runner)
-    return ids, dict(st, decode_s=st['decode_s'] + 10.0 * (len(counted) == 1))
-  monkeypatch.setattr(runner_lib, 'decode_prompts', first_run_slow)
+    return ids, dict(st, decode_s=st['decode_s'] + 10.0 * (len(counted) == 1) +
+                     5.0 * (type(runner).__name__ == 'SpecRunner'))
+  monkeypatch.setattr(runner_lib, 'decode_prompts', slow)
   # (one prompt: what AR measures of its own when it decodes a batch would add to the timing)
   out, stats = generate_lib.generate(target, drafters, prompts[:1],
                                      dataclasses.replace(base, method='auto'))
-  # the timing program runs twice (the first warms it up), then the batch
-  assert len(calls) == 3 and calls[:2] == [(1, 'ARRunner')] * 2 and counted[0] is counted[1]
-  assert stats['auto_ar_timing_s'] > 10
+  assert stats['auto_choice'] == 'dflash'  # the prior's pick
+  timed = ['ar', 'dflash', 'pld(gamma=4)'][:timed_first]
+  assert stats['auto_timed'] == timed
+  # each timing program runs twice (the first warms it up), then the batch
+  assert calls == [(1, 'ARRunner')] * 2 + [(1, 'SpecRunner')] * 2 * (timed_first - 1) + [
+      (1, 'ARRunner' if timed_first == 3 else 'SpecRunner')]
+  assert counted[0] is counted[1] and counted[2] is counted[3]
+  assert stats['auto_timing_s'] > 0
   record = json.loads(open(stats['auto_file']).read())
-  timed = record['measured']['ar']
-  assert timed['decode_steps'] == timed['cycles'] == timed['decode_tokens'] == 11  # (+ prefill's)
-  assert timed['decode_s'] < 10  # the second run's
-  assert record['auto_candidates']['ar']['measured']
+  measured = record['measured']
+  first = 'ar' if timed_first == 3 else 'pld(gamma=4)'  # what decoded the batch
+  # AR's timing (12 tokens, the prefill's aside), then the batch's 15 steps, if AR decoded it
+  steps = 15 + autoconfig.RECENCY * 11 if first == 'ar' else 11
+  assert measured['ar']['decode_steps'] == measured['ar']['cycles'] == steps
+  assert measured['ar']['decode_s'] < 10  # (the timing's second run)
+  assert set(measured) == set(timed) | {first}
+  assert measured['dflash']['decode_s'] >= 5  # (timed slow: no longer the pick)
+  assert stats['auto_parts'] == [{'choice': first, 'prompts': 1}]
   assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar[:1]]
   calls.clear()
   again, stats2 = generate_lib.generate(target, drafters, prompts,
                                         dataclasses.replace(base, method='auto'))
-  assert len(calls) == 2 and 'auto_ar_timing_s' not in stats2  # no timing: a batch at a time
+  assert len(calls) == 2 and 'auto_timed' not in stats2  # no timing: a batch at a time
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
 
 

@@ -9,16 +9,19 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
   remembered  a choice this machine made before for the same key (below), decoded at once;
   prior       the drafters' recorded acceptance and cycle costs (PRIORS: drafters/auto_priors.json,
               written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
-              cycle in AR steps, for a platform and batch). No probing: this machine's AR step
-              is timed once (AR_TIMING_TOKENS steps, after a run that warms the program up),
-              and the first batch decodes with the best prediction. Every batch then teaches the next (`learn`): the chosen candidate's
-              measured τ and cycle time become its prediction (a timed candidate measured
-              slower or faster later moves every cycle alike: the machine drifted), the other
-              drafter candidates' cycles follow the AR step the measured ones imply (prompt
-              lookup's follow AR's own), the drafter candidates' τ follow the ratio their
-              measured ones showed to the prior (the prompts are easier or harder for the
-              drafters), and the next batch, or the next request, decodes with whichever now
-              predicts fastest, measuring it in turn;
+              cycle in AR steps, for a platform and batch). No probing of every candidate:
+              once per remembered record, the first batch's first AR_TIMING_TOKENS tokens are
+              decoded by AR (this machine's AR step), then by the best prediction, and by the
+              next best if the one timed fell below it, up to TIMED_FIRST programs (each run
+              twice, the first warming it up; outputs dropped), and the first batch decodes
+              with the best prediction after them. Every batch then teaches the next
+              (`learn`): the chosen candidate's measured τ and cycle time become its
+              prediction (a timed candidate measured slower or faster later moves every cycle
+              alike: the machine drifted), the other drafter candidates' cycles follow the AR
+              step the measured ones imply (prompt lookup's follow AR's own), the drafter
+              candidates' τ follow the ratio their measured ones showed to the prior (the
+              prompts are easier or harder for the drafters), and the next batch, or the next
+              request, decodes with whichever now predicts fastest, measuring it in turn;
   probed      with `auto_probe` (or no prior for these drafters, platform and batch): every
               candidate decodes the request's first PROBE_PROMPTS prompts for up to
               PROBE_TOKENS tokens (the first warms the programs up), and E[τ] and the cycle time
@@ -67,10 +70,12 @@ from d2sd_jax.formats import checkpoints
 PROBE_TOKENS = 128  # at most; the request's own max_new_tokens when smaller
 PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first warms up)
 MIN_PROBE_CYCLES = 8  # fewer probe cycles than this: the cost model's cycle time is used
-# AR steps timed before a choice from a prior decodes (once per remembered record): the prior's
-# cycles are in AR steps, and this machine's AR step at this context is what turns them into
-# time (the speculative cycles measured later rescale the other candidates)
+# Tokens of the first batch that AR, then the prior's pick, decode (timed, outputs dropped)
+# before a choice from a prior decodes (once per remembered record): the prior's cycles are in
+# AR steps, and this machine's AR step at this context is what turns them into time; the pick's
+# τ on these prompts tells whether the prior holds for them
 AR_TIMING_TOKENS = 32
+TIMED_FIRST = 3  # at most: AR, the prior's pick and the pick after it, if that one fell below
 # learn: the weight of a candidate's earlier measurements when a batch adds a new one (0.5: the
 # last two batches count for three quarters)
 RECENCY = 0.5
@@ -352,7 +357,7 @@ def learns(path: str) -> bool:
 
 def ar_untimed(path: str) -> bool:
   """Whether the remembered record of a choice from a prior has no timed AR step yet (generate
-  then times AR_TIMING_TOKENS steps of AR before the first batch)."""
+  then times AR_TIMING_TOKENS tokens of AR, and of the prior's pick, before the first batch)."""
   with open(path) as f:
     record = json.load(f)
   return 'ar' in record['auto_candidates'] and record['measured'].get('ar', {}).get(
