@@ -66,7 +66,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     # is found out in a few tokens, not in a whole batch decoded with the wrong candidate.
     started, timed = time.perf_counter(), ['ar']
     while True:
-      record, spent = _time_candidate(target, drafters, options, tok, prompt_ids[:batch], longest,
+      timing = autoconfig.chosen_options(options, {**auto_stats, 'auto_choice': timed[-1]})
+      record, spent = _time_candidate(target, drafters, timing, tok, prompt_ids[:batch], longest,
                                       limit, batch, runners, auto_stats['auto_file'], timed[-1])
       compile_s += spent
       pick = record['auto_choice']
@@ -146,16 +147,14 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
 
 def _time_candidate(target, drafters, options, tok, prompt_ids, longest, limit, batch, runners,
                     path, label: str):
-  """AR_TIMING_TOKENS tokens of candidate `label` (of the remembered record at `path`) on one
-  batch, taught to the record: (the record, the seconds compiling).
+  """AR_TIMING_TOKENS tokens of candidate `label` (decoding with `options`, its own) on one
+  batch, taught to the remembered record at `path`: (the record, the seconds compiling).
 
   The program runs twice and the second run is timed: a compiled program's first run pays a
   one-off cost, large against 32 steps, that would make every other candidate look faster
   than it."""
-  with open(path) as f:
-    chosen = autoconfig.chosen_options(options, dict(json.load(f), auto_choice=label))
-  timing = dataclasses.replace(chosen, max_new_tokens=min(autoconfig.AR_TIMING_TOKENS,
-                                                          options.max_new_tokens))
+  timing = dataclasses.replace(options, max_new_tokens=min(autoconfig.AR_TIMING_TOKENS,
+                                                           options.max_new_tokens))
   runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
   before = runner.compile_s
   runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest)
