@@ -343,6 +343,40 @@ def _prior_record(rows: dict) -> dict:
           'auto_candidates': {k: {'method': m, 'spec': {}, 'tau': t, 'cycle_ar_steps': c}
                               for k, (m, t, c) in rows.items()}}
 
+def test_a_switch_decodes_with_the_new_candidates_knobs_and_not_the_last_ones(
+    tiny_folder, monkeypatch, tmp_path):
+  """When auto moves to another candidate between batches, the next batch's program takes that
+  candidate's knobs over the request's, none of the previous candidate's: after d2sd with one
+  branch, prompt lookup's program has the default n_branches, as the program it was weighed by.
+  Outputs equal AR's."""
+  target = loaders.load_target(tiny_folder)
+  dcfg = dataclasses.replace(TDCFG, gamma=4)
+  drafters = {n: (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(i)))
+              for i, n in enumerate(('drafter1', 'drafter2'))}
+  keep, every = ('ar', 'pld(gamma=4)', 'd2sd(K=1)'), autoconfig.candidates
+  monkeypatch.setattr(autoconfig, 'candidates',
+                      lambda d, cap=0: [c for c in every(d, cap) if c[0] in keep])
+  # the prior's pick is d2sd(K=1); untrained drafters accept little, and pld keeps its prior
+  # until measured, so the second prompt moves to pld
+  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
+      tmp_path / 'priors.json', target, drafters,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (3.0, 1.0), 'd2sd(K=1)': (3.5, 1.0)}))
+  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
+  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
+  prompts = ['abcabcabcabc', 'hello hello hello']
+  base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
+  ar, _ = generate_lib.generate(target, drafters, prompts, base)
+  runners = {}
+  out, stats = generate_lib.generate(target, drafters, prompts,
+                                     dataclasses.replace(base, method='auto', spec={'steps': 1}),
+                                     runners=runners)
+  assert [p['choice'] for p in stats['auto_parts']] == ['d2sd(K=1)', 'pld(gamma=4)']
+  specs = {key[0]: dict(key[-1]) for key in runners}
+  assert specs['d2sd'] == {'gamma': 4, 'n_branches': 1, 'steps': 1}
+  assert specs['pld'] == {'gamma': 4, 'n_branches': 3, 'steps': 1}  # (min(4, gamma - 1))
+  assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
+
+
 
 def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_ones_showed(
     tmp_path):

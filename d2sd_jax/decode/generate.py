@@ -48,7 +48,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len,
                                  options.prompt_width)
   batch = options.batch_size or min(len(prompts), options_lib.AUTO_BATCH)
-  auto_stats = {}
+  auto_stats, request = {}, options  # (auto: each candidate's options come from the request's)
   if options.method == 'auto':
     # (its progress lines go to stderr: stdout carries the completions and the stats line)
     options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
@@ -66,7 +66,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     # is found out in a few tokens, not in a whole batch decoded with the wrong candidate.
     started, timed = time.perf_counter(), ['ar']
     while True:
-      timing = autoconfig.chosen_options(options, {**auto_stats, 'auto_choice': timed[-1]})
+      timing = autoconfig.chosen_options(request, {**auto_stats, 'auto_choice': timed[-1]})
       record, spent = _time_candidate(target, drafters, timing, tok, prompt_ids[:batch], longest,
                                       limit, batch, runners, auto_stats['auto_file'], timed[-1])
       compile_s += spent
@@ -78,7 +78,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
         time.perf_counter() - started - compile_s, 3))
     if pick != label:
       label = pick
-      options = autoconfig.chosen_options(options, record)
+      options = autoconfig.chosen_options(request, record)
   step = batch if learns else len(prompt_ids)
   ids, st, parts, budgeted_cycles = [], None, [], 0
   for start in range(0, len(prompt_ids), step):
@@ -109,7 +109,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
             f"{record['auto_choice']} {record['predicted_tokens_per_s']:.2f}: switching",
             file=sys.stderr)
       label = record['auto_choice']
-      options = autoconfig.chosen_options(options, record)
+      options = autoconfig.chosen_options(request, record)
   completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
                   'completion_ids': row} for p, row in zip(prompts, ids)]
   new_tokens = sum(len(row) for row in ids)
