@@ -193,15 +193,17 @@ def write_prior(path, target, drafters, taus_ratios: dict, batch: int = 1):
   return str(path)
 
 
-def _auto_with_prior(tiny_folder, monkeypatch, tmp_path, taus: dict):
-  """A tiny target and drafter 1 (gamma 4); auto weighs ar, pld and dflash, with the prior
-  `taus` ({label: (τ, cycle in AR steps)}); every decode_prompts call is recorded as (its
-  prompts, its runner's class). Returns (target, drafters, calls)."""
+def _auto_with_prior(tiny_folder, monkeypatch, tmp_path, taus: dict, drafter2: bool = False):
+  """A tiny target and drafter 1 (gamma 4), and drafter 2 with `drafter2`; auto weighs the
+  candidates of the prior `taus` ({label: (τ, cycle in AR steps)}) only; every decode_prompts
+  call is recorded as (its prompts, its runner's class). Returns (target, drafters, calls)."""
   target = loaders.load_target(tiny_folder)
   dcfg = dataclasses.replace(TDCFG, gamma=4)
-  drafters = {'drafter1': (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))}
+  drafters = {n: (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(i)))
+              for i, n in enumerate(('drafter1', 'drafter2')[:1 + drafter2], start=1)}
   every = autoconfig.candidates
-  monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
+  monkeypatch.setattr(autoconfig, 'candidates',
+                      lambda d, cap=0: [c for c in every(d, cap) if c[0] in taus])
   monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(tmp_path / 'priors.json', target, drafters,
                                                      taus))
   calls, real_decode = [], runner_lib.decode_prompts
@@ -335,32 +337,17 @@ def test_auto_times_ar_and_the_priors_pick_before_its_first_choice(
   assert [r['completion_ids'] for r in again] == [r['completion_ids'] for r in ar]
 
 
-def _prior_record(rows: dict) -> dict:
-  """A record as from_prior writes it: {label: (method, tau, cycle in AR steps)}."""
-  return {'version': autoconfig.RECORD_VERSION, 'source': 'prior', 'measured': {},
-          'auto_choice': max(rows, key=lambda k: rows[k][1] / rows[k][2]),
-          'predicted_tokens_per_s': None,
-          'auto_candidates': {k: {'method': m, 'spec': {}, 'tau': t, 'cycle_ar_steps': c}
-                              for k, (m, t, c) in rows.items()}}
-
 def test_a_switch_decodes_with_the_new_candidates_knobs_and_not_the_last_ones(
     tiny_folder, monkeypatch, tmp_path):
   """When auto moves to another candidate between batches, the next batch's program takes that
   candidate's knobs over the request's, none of the previous candidate's: after d2sd with one
   branch, prompt lookup's program has the default n_branches, as the program it was weighed by.
   Outputs equal AR's."""
-  target = loaders.load_target(tiny_folder)
-  dcfg = dataclasses.replace(TDCFG, gamma=4)
-  drafters = {n: (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(i)))
-              for i, n in enumerate(('drafter1', 'drafter2'))}
-  keep, every = ('ar', 'pld(gamma=4)', 'd2sd(K=1)'), autoconfig.candidates
-  monkeypatch.setattr(autoconfig, 'candidates',
-                      lambda d, cap=0: [c for c in every(d, cap) if c[0] in keep])
   # the prior's pick is d2sd(K=1); untrained drafters accept little, and pld keeps its prior
   # until measured, so the second prompt moves to pld
-  monkeypatch.setenv('D2SD_AUTO_PRIORS', write_prior(
-      tmp_path / 'priors.json', target, drafters,
-      {'ar': (1.0, 1.0), 'pld(gamma=4)': (3.0, 1.0), 'd2sd(K=1)': (3.5, 1.0)}))
+  target, drafters, _ = _auto_with_prior(
+      tiny_folder, monkeypatch, tmp_path,
+      {'ar': (1.0, 1.0), 'pld(gamma=4)': (3.0, 1.0), 'd2sd(K=1)': (3.5, 1.0)}, drafter2=True)
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
   prompts = ['abcabcabcabc', 'hello hello hello']
@@ -375,97 +362,6 @@ def test_a_switch_decodes_with_the_new_candidates_knobs_and_not_the_last_ones(
   assert specs['d2sd'] == {'gamma': 4, 'n_branches': 1, 'steps': 1}
   assert specs['pld'] == {'gamma': 4, 'n_branches': 3, 'steps': 1}  # (min(4, gamma - 1))
   assert [r['completion_ids'] for r in out] == [r['completion_ids'] for r in ar]
-
-
-
-def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_ones_showed(
-    tmp_path):
-  """A drafter candidate measured below its prior lowers every unmeasured drafter candidate's
-  extra tokens by the same ratio (prompt lookup's and AR's stay), the drafter candidates'
-  cycles follow the AR step their measurement implies (prompt lookup's follow AR's own), and
-  a decode too short to time accumulates without moving the choice."""
-  path = tmp_path / 'r.json'
-  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.7, 1.4), 'dflash': ('dflash', 1.7, 1.5),
-          'ddtree(N=4)': ('ddtree', 1.9, 1.2), 'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
-  path.write_text(json.dumps(_prior_record(rows)))
-  assert json.loads(path.read_text())['auto_choice'] == 'd2sd_tree(N=8)'
-  # AR timed alone (0.05 s a step): every cycle is its AR steps at that, the choice stays
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
-                                     'decode_steps': 20}, 1, label='ar')
-  assert rec['auto_choice'] == 'd2sd_tree(N=8)' and rec['prompt_scale'] == 1.0
-  assert rec['auto_candidates']['pld']['cycle_ms'] == pytest.approx(1.4 * 50)
-  assert rec['auto_candidates']['ar']['predicted_tokens_per_s'] == pytest.approx(20)
-  short = {'decode_tokens': 10, 'cycles': 5, 'decode_s': 0.5, 'decode_steps': 5}
-  rec = autoconfig.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
-  assert rec['auto_choice'] == 'd2sd_tree(N=8)'
-  assert rec['measured']['d2sd_tree(N=8)'] == dict(short, unit_s=0.5)
-  assert rec['auto_candidates']['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
-  # 35 cycles more at 0.1 s (the speculative AR step: 0.1 / 1.7 s); the earlier 5 weigh half
-  rec = autoconfig.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
-                                     'decode_steps': 35}, 1)
-  assert rec['measured']['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
-                                               'decode_s': 3.75, 'decode_steps': 37.5,
-                                               'unit_s': 3.75}
-  table, ar_s, tau = rec['auto_candidates'], 0.1 / 1.7, 67 / 37.5
-  scale = (tau - 1) / (3.1 - 1)
-  assert rec['prompt_scale'] == pytest.approx(scale, abs=1e-4)
-  assert table['d2sd_tree(N=8)']['tau'] == pytest.approx(tau, abs=1e-3)
-  assert table['ddtree(N=4)']['tau'] == pytest.approx(1 + 0.9 * scale, abs=1e-3)
-  assert table['dflash']['tau'] == pytest.approx(1 + 0.7 * scale, abs=1e-3)
-  assert table['pld']['tau'] == 1.7 and table['ar']['tau'] == 1.0
-  for label, (method, _, steps) in rows.items():
-    if method not in ('ar', 'pld'):  # the drafters' measured cycles set the others' AR step
-      assert table[label]['cycle_ms'] == pytest.approx(1e3 * steps * ar_s, rel=1e-3)
-  assert table['ar']['cycle_ms'] == pytest.approx(50)  # AR keeps its own timing,
-  assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 50)  # and prompt lookup follows it
-  # pld 1.7 / (1.4 * 50 ms) = 24.3 tokens/s, AR 20, ddtree 1.34 / (1.2 * 58.8 ms) = 18.9
-  assert rec['auto_choice'] == 'pld' and rec['source'] == 'prior+measured'
-  # pld measured poorly on these prompts too: its measurement is its prediction, and the
-  # drafters' scale is unchanged by it
-  rec = autoconfig.learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
-                                     ar_s, 'decode_steps': 20}, 1)
-  table = rec['auto_candidates']
-  assert table['pld']['tau'] == pytest.approx(1.1) and rec['prompt_scale'] == pytest.approx(
-      scale, abs=1e-4)
-  assert rec['auto_choice'] == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
-  # a probed record is not the prior's to refine
-  path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
-  assert autoconfig.learn(str(path), short, 1) is None
-
-
-def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_path):
-  """A candidate's programs have fixed shapes, so once timed, its cycle measured slower later
-  is the machine slowing down: every candidate's predicted cycle, measured or not, slows with
-  it. A candidate timed while the machine was fast does not overtake the one decoding now."""
-  path = tmp_path / 'r.json'
-  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'ddtree(N=4)': ('ddtree', 1.5, 1.5),
-          'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
-  path.write_text(json.dumps(_prior_record(rows)))
-  autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
-                               'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
-  # d2sd_tree: τ 1.9 at 100 ms a cycle, 19 tokens/s, below AR's 20: AR decodes next
-  rec = autoconfig.learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
-                                     'decode_steps': 20}, 1)
-  assert rec['auto_choice'] == 'ar' and rec['machine'] == 1.0
-  table = rec['auto_candidates']
-  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19, abs=0.01)
-  # the machine slows by a fifth: AR runs at 60 ms a step, and so would every other program
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
-                                     'decode_steps': 20}, 1)
-  table = rec['auto_candidates']
-  assert rec['machine'] == pytest.approx(1.2)
-  assert table['ar']['cycle_ms'] == pytest.approx(60)
-  assert table['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(120)  # not its 100 ms of before
-  assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 60)
-  assert table['ddtree(N=4)']['cycle_ms'] == pytest.approx(1.5 * 100 / 1.7 * 1.2)
-  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19 / 1.2, abs=0.01)
-  assert rec['auto_choice'] == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
-  # the machine recovers while AR decodes: every prediction speeds up alike
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
-                                     'decode_steps': 20}, 1)
-  assert rec['machine'] == pytest.approx(0.9)
-  assert rec['auto_candidates']['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
-  assert rec['auto_candidates']['ar']['cycle_ms'] == pytest.approx(45)
 
 
 def test_a_requests_tree_budget_caps_autos_candidates(tiny_folder, tmp_path):
