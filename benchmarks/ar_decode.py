@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from d2sd_jax.decode import runner as runner_lib
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as model_lib
 

@@ -35,11 +35,11 @@ from spec_decode import humaneval_prompts  # pylint: disable=wrong-import-positi
 
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 from d2sd_jax.models import drafter as drafter_lib  # pylint: disable=wrong-import-position
-from d2sd_jax.spec import ar as AR  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import ar as AR  # pylint: disable=wrong-import-position
 from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as model_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.models import sampling as sampling_lib  # pylint: disable=wrong-import-position
-from d2sd_jax.spec import speculative as SP  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=wrong-import-position
 from d2sd_jax.formats.drafters import load_drafter
 
 SAMPLED = sampling_lib.SamplingSettings(temperature=0.6, top_k=2)

@@ -24,7 +24,7 @@ import jax
 from d2sd_jax.train import batching
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.train import distill
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.formats import loaders
 
 

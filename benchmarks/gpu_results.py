@@ -29,8 +29,8 @@ from d2sd_jax import files
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.perf import costmodel
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import speculative as SP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, 'results', 'gpu.json')

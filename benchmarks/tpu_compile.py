@@ -170,7 +170,7 @@ def accelerator_tables(kept: dict) -> str:
   """The predicted speed-ups (the README's accelerator table and the shipped drafters'), from
   the kept records, the roofline and the published figures."""
   from d2sd_jax.perf import throughput  # pylint: disable=import-outside-toplevel
-  from d2sd_jax.spec import ar, speculative as SP  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec_decode import ar, speculative as SP  # pylint: disable=import-outside-toplevel
   out = []
   # The accelerator table: Qwen3-8B with the paper's drafters at the paper's tau.
   out += ["**Qwen3-8B, the paper's drafters (gamma 16, K = 4), batch 1, 1,024 cached tokens, at "

@@ -33,7 +33,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
-from d2sd_jax.models import fused  # pylint: disable=wrong-import-position
+from d2sd_jax.kernels import fused  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
 

@@ -2,7 +2,7 @@
 
   python decode.py --config configs/smollm2.py --config.prompt="Write a haiku about JAX."
 
-The values are the library's defaults (decoding.Options, speculative.SpecSettings; a test keeps
+The values are the library's defaults (d2sd_jax.Options, d2sd_jax.SpecSettings; a test keeps
 them equal), except the target, the method and its drafters.
 """
 import ml_collections

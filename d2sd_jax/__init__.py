@@ -1,8 +1,9 @@
 """d2sd_jax: speculative decoding with dual diffusion drafters, in JAX.
 
 The subpackages, from the core up (each imports only those above it in this list):
+  kernels/  Pallas TPU kernels: the fused decoding layer, splash attention for prefills
   models/   the target LM, the diffusion drafter, sampling transforms, sharding rules (pure JAX)
-  spec/     AR decoding, candidate trees and acceptance, drafting methods, the speculative cycle
+  spec_decode/ AR decoding, candidate trees and acceptance, drafting methods, the speculative cycle
   formats/  target loaders (GGUF, safetensors), tokenizer, drafter checkpoints, DFlash folders
   perf/     cost model and throughput model
   decode/   options, runners, `generate`, method='auto', the notebook API
@@ -27,9 +28,9 @@ _PUBLIC = {
     'acceptance_plot': 'd2sd_jax.decode.api',
     'generate': 'd2sd_jax.decode.generate',
     'Options': 'd2sd_jax.decode.options',
-    'SpecSettings': 'd2sd_jax.spec.speculative',
-    'Method': 'd2sd_jax.spec.drafting',
-    'register': 'd2sd_jax.spec.drafting',
+    'SpecSettings': 'd2sd_jax.spec_decode.speculative',
+    'Method': 'd2sd_jax.spec_decode.drafting',
+    'register': 'd2sd_jax.spec_decode.drafting',
 }
 __all__ = sorted(_PUBLIC)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from d2sd_jax.spec import speculative
+from d2sd_jax.spec_decode import speculative
 
 # SpecSettings fields that are not knobs: the generation settings, the method and the drafters'
 # configs come from elsewhere. Every other field is a knob: one line of the decode config's `spec`

@@ -17,8 +17,8 @@ from d2sd_jax.formats.drafters import load_drafter
 from d2sd_jax.perf import compiled
 from d2sd_jax.perf import costmodel
 from d2sd_jax.perf import throughput
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import speculative as SP
 
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'results',

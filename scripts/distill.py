@@ -15,7 +15,7 @@ from d2sd_jax.formats import conversations
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import sampling as sampling_lib
 from d2sd_jax.models import sharding
-from d2sd_jax.spec import ar
+from d2sd_jax.spec_decode import ar
 from d2sd_jax.train import batching
 from d2sd_jax.train import distill
 

@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import TINY, tiny_params  # pylint: disable=wrong-import-position
 import spec_helpers  # pylint: disable=wrong-import-position
 
-from d2sd_jax.spec import ar as AR  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import ar as AR  # pylint: disable=wrong-import-position
 from d2sd_jax.models import sharding  # pylint: disable=wrong-import-position
-from d2sd_jax.spec import speculative as SP  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=wrong-import-position
 
 
 def check_rules():

@@ -18,12 +18,12 @@ import optax
 
 from d2sd_jax.models import drafter as D
 from d2sd_jax.models import sampling as S
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.train import losses
 from d2sd_jax.models import target as M
-from d2sd_jax.spec import speculative as SP
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import speculative as SP
+from d2sd_jax.spec_decode import tree as tree_lib
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60, 5, 9, 2], [12], [40, 41, 42, 43, 40, 41]]
 DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.models import sampling as S
-from d2sd_jax.spec import speculative as SP
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import speculative as SP
+from d2sd_jax.spec_decode import tree as tree_lib
 import spec_helpers
-from d2sd_jax.spec import drafting
+from d2sd_jax.spec_decode import drafting
 from spec_helpers import DCFG, DCFG2, PROMPTS, full_last_logits, jitted, run_both
 from test_generate import expected_probs
 

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from d2sd_jax.train import batching
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.models import sampling as S
 
 PROMPTS = [[5, 9, 2, 33, 7, 1, 60], [12], [40, 41, 42, 43], [7, 7, 7, 7, 7, 7, 7, 7, 7, 30],

@@ -11,8 +11,8 @@ import pytest
 import d2sd_jax
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
-from d2sd_jax.spec import ar as AR
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar as AR
+from d2sd_jax.spec_decode import speculative as SP
 import spec_helpers as H
 
 # Not from the training data (stdlib docstrings, HumanEval excluded): a chat request, code to

@@ -1,4 +1,4 @@
-"""Decoding's attention as one Pallas kernel on TPUs (d2sd_jax/models/cached.py): through
+"""Decoding's attention as one Pallas kernel on TPUs (d2sd_jax/kernels/cached.py): through
 Pallas' interpreter on this CPU it equals the XLA form (`target._attend_windows`) for token
 trees and for drafter blocks, over caches of several blocks with rows of different prefix
 lengths; programs compiled for a TPU take it, CPU programs do not, and over a mesh it compiles
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.models import cached
+from d2sd_jax.kernels import cached
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from test_tpu_compile import LEAN, LEAN_DRAFTER, tpu_devices

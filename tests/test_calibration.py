@@ -48,7 +48,7 @@ def test_lookup_proposal_is_drafting_pld_rule():
   """C.lookup_proposal (plain Python) proposes what drafting.lookup proposes, on
   random sequences of a 4-token alphabet (matches of every length, repeats, no match)."""
   import collections  # pylint: disable=import-outside-toplevel
-  from d2sd_jax.spec import drafting  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec_decode import drafting  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   State = collections.namedtuple('State', 'seq_BxL seq_len_B')
   Settings = collections.namedtuple('Settings', 'gamma ngram_max')

@@ -8,8 +8,8 @@ import pytest
 
 from d2sd_jax.perf import costmodel
 from d2sd_jax.models import drafter as D
-from d2sd_jax.spec import ar as AR
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar as AR
+from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.perf import throughput
 
 # ----------------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import pytest
 from d2sd_jax import config_check
 from d2sd_jax.decode import generate as generate_lib
 from d2sd_jax.decode import options as options_lib
-from d2sd_jax.spec import drafting
+from d2sd_jax.spec_decode import drafting
 from d2sd_jax.formats import loaders
-from d2sd_jax.spec import speculative
+from d2sd_jax.spec_decode import speculative
 from d2sd_jax.formats.drafters import load_drafter
 
 ROOT = os.path.dirname(os.path.dirname(__file__))

@@ -26,10 +26,10 @@ from d2sd_jax.decode import generate as generate_lib
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.formats import dflash_format as DF
 from d2sd_jax.models import drafter as D
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as M
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.formats.drafters import load_drafter
 from conftest import load_script
 

@@ -13,7 +13,7 @@ import pytest
 from d2sd_jax.train import batching
 from d2sd_jax.formats import conversations
 from d2sd_jax.train import distill
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.formats import loaders
 from conftest import ROOT, load_script
 

@@ -1,4 +1,4 @@
-"""A decoding layer's attention half and MLP as Pallas TPU kernels (models/fused.py): through
+"""A decoding layer's attention half and MLP as Pallas TPU kernels (kernels/fused.py): through
 Pallas' interpreter on this CPU they equal the XLA form (`target.layer`'s), alone and in a whole
 layer verifying a token tree over a cache, with rows of different lengths; a TPU layer takes
 them (and a CPU program does not), and over a model-parallel mesh they compile split, the MLP's
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.models import fused
+from d2sd_jax.kernels import fused
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from test_tpu_compile import LEAN, tpu_devices

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.models import sampling as S
 from spec_helpers import full_last_logits
 

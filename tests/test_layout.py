@@ -1,6 +1,6 @@
 """The package's layering, read from its source: every import of d2sd_jax's own modules, at any
 depth (an import inside a function hides a cycle as well as one at the top), follows the layer
-order of d2sd_jax/__init__.py's docstring, and there is no cycle. The core (models/, spec/)
+order of d2sd_jax/__init__.py's docstring, and there is no cycle. The core (kernels/, models/, spec_decode/)
 imports without Orbax or TFDS."""
 import ast
 import os
@@ -17,13 +17,14 @@ PACKAGE = os.path.dirname(d2sd_jax.__file__)
 # files (whole-or-nothing writes); platforms (no TPU probe on a CPU host), which the package's
 # face runs at import.
 ALLOWED = {
-    'models': set(),
-    'spec': {'models'},
+    'kernels': set(),
+    'models': {'kernels'},
+    'spec_decode': {'models'},
     'formats': {'models', 'cli', 'files'},
-    'perf': {'models', 'spec', 'formats', 'files'},
-    'decode': {'models', 'spec', 'formats', 'perf', 'config_check', 'files'},
-    'train': {'models', 'spec', 'formats', 'perf', 'config_check', 'files'},
-    'config_check': {'models', 'spec'},
+    'perf': {'models', 'spec_decode', 'formats', 'files'},
+    'decode': {'models', 'spec_decode', 'formats', 'perf', 'config_check', 'files'},
+    'train': {'models', 'spec_decode', 'formats', 'perf', 'config_check', 'files'},
+    'config_check': {'models', 'spec_decode'},
     'cli': set(),
     'files': set(),
     'platforms': set(),
@@ -106,21 +107,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_import_follows_the_layers_and_none_makes_a_cycle():
   graph = import_graph()
-  assert {'d2sd_jax.models.target', 'd2sd_jax.spec.speculative', 'd2sd_jax.decode.generate',
+  assert {'d2sd_jax.models.target', 'd2sd_jax.spec_decode.speculative', 'd2sd_jax.decode.generate',
           'd2sd_jax.train.training'} <= set(graph)
-  assert 'd2sd_jax.models.target' in graph['d2sd_jax.spec.speculative']  # imports are read
+  assert 'd2sd_jax.models.target' in graph['d2sd_jax.spec_decode.speculative']  # imports are read
   assert layering_violations(graph) == []
   assert cycles(graph) == []
 
 
 def test_the_checks_catch_a_core_module_importing_decode(tmp_path):
   """The same checks on the real graph with one import added, as a hidden one inside a function
-  of spec/ would add it: a layering violation and, as decode imports spec, a cycle."""
+  of spec_decode/ would add it: a layering violation and, as decode imports spec_decode, a cycle."""
   graph = import_graph()
-  graph['d2sd_jax.spec.drafting'] = graph['d2sd_jax.spec.drafting'] | {
+  graph['d2sd_jax.spec_decode.drafting'] = graph['d2sd_jax.spec_decode.drafting'] | {
       'd2sd_jax.decode.options'}
-  assert layering_violations(graph) == ['d2sd_jax.spec.drafting imports d2sd_jax.decode.options']
-  assert any('d2sd_jax.spec.drafting' in c and 'd2sd_jax.decode.options' in c
+  assert layering_violations(graph) == ['d2sd_jax.spec_decode.drafting imports d2sd_jax.decode.options']
+  assert any('d2sd_jax.spec_decode.drafting' in c and 'd2sd_jax.decode.options' in c
              for c in cycles(graph))
   # ... and the reader sees an import inside a function
   source = tmp_path / 'm.py'
@@ -130,7 +131,7 @@ def test_the_checks_catch_a_core_module_importing_decode(tmp_path):
 
 def test_the_core_imports_without_orbax_or_tfds():
   code = ('import sys, d2sd_jax, d2sd_jax.models.target, d2sd_jax.models.drafter, '
-          'd2sd_jax.spec.speculative, d2sd_jax.spec.drafting; '
+          'd2sd_jax.spec_decode.speculative, d2sd_jax.spec_decode.drafting; '
           'heavy = sorted(m for m in sys.modules if m.split(".")[0] in '
           '("orbax", "tensorflow_datasets", "grain", "tensorboardX")); '
           'assert not heavy, heavy')
@@ -154,3 +155,9 @@ def test_shipped_drafters_resolve_from_any_working_directory(tmp_path, monkeypat
   assert checkpoints.resolve_path('drafters/smollm2-drafter1') == os.path.join(
       root, 'drafters', 'smollm2-drafter1')
   assert checkpoints.resolve_path('no/such/folder') == 'no/such/folder'
+
+
+def test_no_folder_of_the_package_reads_as_tests():
+  """Code-mapping tools take `spec/`, `test/` and `tests/` for test folders and leave them out."""
+  folders = {name for _, dirs, _ in os.walk(PACKAGE) for name in dirs}
+  assert not folders & {'spec', 'specs', 'test', 'tests'}, folders

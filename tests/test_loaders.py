@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as M
 

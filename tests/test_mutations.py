@@ -13,9 +13,9 @@ import jax
 import pytest
 
 from d2sd_jax.models import drafter as drafter_lib
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import speculative as SP
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import speculative as SP
+from d2sd_jax.spec_decode import tree as tree_lib
 import spec_helpers as H
 import test_acceptance
 

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import ar as AR
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.models import target as M
 from d2sd_jax.models import sampling as S
-from d2sd_jax.spec import speculative as SP
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import speculative as SP
+from d2sd_jax.spec_decode import tree as tree_lib
 from d2sd_jax.formats.drafters import load_drafter
 import spec_helpers as H
 from spec_helpers import DCFG, DCFG2, PROMPTS, jitted, run_both

@@ -1,5 +1,5 @@
 """Splash attention for the fresh (prefill / teacher) attention of TPU programs
-(d2sd_jax/models/splash.py): the kernel, run on this CPU by Pallas' interpreter, equals the
+(d2sd_jax/kernels/splash.py): the kernel, run on this CPU by Pallas' interpreter, equals the
 einsum form; programs compiled for a TPU take it, programs for the CPU do not, and over a mesh it
 compiles split per device (shard_map) with no weight gathered."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.models import splash
+from d2sd_jax.kernels import splash
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from test_tpu_compile import tpu_devices

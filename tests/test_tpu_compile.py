@@ -18,8 +18,8 @@ from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from d2sd_jax.perf import costmodel
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import speculative as SP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -60,8 +60,8 @@ import numpy as np
 
 from d2sd_jax import files
 from d2sd_jax.perf import costmodel
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.perf import throughput
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib

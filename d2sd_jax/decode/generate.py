@@ -21,7 +21,7 @@ from d2sd_jax.decode.options import Options
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import sharding
 from d2sd_jax.formats.drafters import load_drafter
-from d2sd_jax.spec import drafting
+from d2sd_jax.spec_decode import drafting
 
 def tokenizer_of(target: loaders.Target):
   if target.tokenizer is None:

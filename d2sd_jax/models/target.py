@@ -46,9 +46,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from d2sd_jax.models import cached
-from d2sd_jax.models import fused
-from d2sd_jax.models import splash
+from d2sd_jax.kernels import cached
+from d2sd_jax.kernels import fused
+from d2sd_jax.kernels import splash
 
 Params = dict[str, Any]
 Cache = list[dict[str, jax.Array]]  # per layer: {'k', 'v'}: [B, Hkv, S, hd]

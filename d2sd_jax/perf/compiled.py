@@ -65,9 +65,9 @@ from d2sd_jax.models import sharding
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import xla_options
 from d2sd_jax.perf import costmodel
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import speculative as SP
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import speculative as SP
 
 GiB = 2**30
 

@@ -42,12 +42,12 @@ import numpy as np
 
 from d2sd_jax import files
 from d2sd_jax.models import drafter as drafter_lib
-from d2sd_jax.spec import ar
-from d2sd_jax.spec import drafting
+from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import drafting
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import xla_options
-from d2sd_jax.spec import speculative as SP
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import speculative as SP
+from d2sd_jax.spec_decode import tree as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)

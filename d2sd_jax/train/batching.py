@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d2sd_jax.spec import ar
+from d2sd_jax.spec_decode import ar
 from d2sd_jax.models import target as model_lib
 
 

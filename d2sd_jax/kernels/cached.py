@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from d2sd_jax.models import sharding
+from d2sd_jax.kernels import split
 
 MAX_BLOCK = 512  # cache slots per block at most
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score (as the XLA form's)
@@ -152,10 +152,10 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
   the output projection reads it; float32 unless the projection's weights are narrower, whose
   default-precision TPU matmul rounds its input to them anyway).
 
-  Over a mesh (the program traced under it: `sharding.tracing_under`) the kernel runs per device
+  Over a mesh (the program traced under it: `models.sharding.tracing_under`) the kernel runs per device
   on its rows and KV heads (`shard_map`), as splash attention does."""
   local = functools.partial(_attend_local, interpret=interpret, out_dtype=out_dtype)
-  split = sharding.kernel_axes(*q_BxHkvxRxhd.shape[:2])
+  split = split.kernel_axes(*q_BxHkvxRxhd.shape[:2])
   if split:
     mesh, rows, heads = split
     P = jax.sharding.PartitionSpec

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import sampling as sampling_lib
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import tree as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)

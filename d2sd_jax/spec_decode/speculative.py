@@ -1,7 +1,7 @@
 """Speculative decoding as one XLA program: draft -> verify (one tree-masked target pass) ->
 accept -> commit (cache compaction), repeated inside one `lax.while_loop`.
 
-Shape letters (one meaning each, here and in drafting.py, tree.py and model.py):
+Shape letters (one meaning each, here and in drafting.py, tree.py and models/target.py):
   B  rows of the batch                  V  vocabulary
   L  committed-sequence buffer          D  target width
   S  KV-cache slots                     T  tree nodes verified per cycle (node 0 = the anchor)
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from d2sd_jax.models import drafter as drafter_lib
-from d2sd_jax.spec import drafting
-from d2sd_jax.spec import ar
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import ar
 from d2sd_jax.models import target as model_lib
-from d2sd_jax.spec import tree as tree_lib
+from d2sd_jax.spec_decode import tree as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ the kernel. Batch rows go through `jax.vmap`. With `interpret=True` the same ker
 CPU through Pallas' interpreter (tests/test_splash.py checks it against the einsum).
 
 Over a mesh the kernel, a custom call XLA cannot partition, runs per device on its own rows and
-heads (`shard_map`: rows over 'data', KV heads over 'model', as `sharding.RULES` split them; a
+heads (`shard_map`: rows over 'data', KV heads over 'model', as `models.sharding.RULES` split them; a
 dimension the axis does not divide stays whole), so programs over a mesh are traced under it
-(`sharding.tracing_under`: its abstract mesh).
+(`models.sharding.tracing_under`: its abstract mesh).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-from d2sd_jax.models import sharding
+from d2sd_jax.kernels import split
 
 BLOCK = 128  # the sequence tile's unit: splash needs block sizes that are multiples of 128
 MAX_BLOCK = 512  # the largest tile tried (VMEM: a [512, 512] float32 tile is 1 MiB)
@@ -71,7 +71,7 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
               pad)
   k, v = jnp.pad(k_BxHkvxTxhd, pad), jnp.pad(v_BxHkvxTxhd.astype(dtype), pad)
   local = functools.partial(_causal_local, interpret=interpret)
-  split = sharding.kernel_axes(B, Hkv)
+  split = split.kernel_axes(B, Hkv)
   if split:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
     mesh, rows, heads = split
