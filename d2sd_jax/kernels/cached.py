@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from d2sd_jax.kernels import split
+from d2sd_jax.kernels import partition
 
 MAX_BLOCK = 512  # cache slots per block at most
 NEG = float(jnp.finfo(jnp.float32).min)  # a masked score (as the XLA form's)
@@ -155,7 +155,7 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
   Over a mesh (the program traced under it: `models.sharding.tracing_under`) the kernel runs per device
   on its rows and KV heads (`shard_map`), as splash attention does."""
   local = functools.partial(_attend_local, interpret=interpret, out_dtype=out_dtype)
-  split = split.kernel_axes(*q_BxHkvxRxhd.shape[:2])
+  split = partition.kernel_axes(*q_BxHkvxRxhd.shape[:2])
   if split:
     mesh, rows, heads = split
     P = jax.sharding.PartitionSpec

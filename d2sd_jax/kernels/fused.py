@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from d2sd_jax.kernels import cached, split
+from d2sd_jax.kernels import cached, partition
 
 MAX_ROWS = 128  # new tokens per program (batch x T) the kernels hold in VMEM at once
 F_TILES = (512, 256, 128)  # columns of F per MLP step, the largest that divides F / cores
@@ -194,7 +194,7 @@ def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
           cos, sin, kv['k'], kv['v'], tbias)
   local = functools.partial(_attention_local, eps=eps, qk_norm='q_norm' in lp,
                             interpret=interpret, out_dtype=out_dtype)
-  split = split.kernel_axes(B, w.shape[0])
+  split = partition.kernel_axes(B, w.shape[0])
   if split:
     mesh, rows, heads = split
     P = jax.sharding.PartitionSpec
@@ -269,7 +269,7 @@ def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
   f32 = jnp.float32
   x = x_BxTxD.astype(f32)
   local = functools.partial(_mlp_local, eps=eps, interpret=interpret)
-  split = split.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
+  split = partition.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
   if split:
     mesh, rows, cols = split
     P = jax.sharding.PartitionSpec

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-from d2sd_jax.kernels import split
+from d2sd_jax.kernels import partition
 
 BLOCK = 128  # the sequence tile's unit: splash needs block sizes that are multiples of 128
 MAX_BLOCK = 512  # the largest tile tried (VMEM: a [512, 512] float32 tile is 1 MiB)
@@ -71,7 +71,7 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
               pad)
   k, v = jnp.pad(k_BxHkvxTxhd, pad), jnp.pad(v_BxHkvxTxhd.astype(dtype), pad)
   local = functools.partial(_causal_local, interpret=interpret)
-  split = split.kernel_axes(B, Hkv)
+  split = partition.kernel_axes(B, Hkv)
   if split:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
     mesh, rows, heads = split

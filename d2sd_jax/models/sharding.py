@@ -69,7 +69,7 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
 def tracing_under(mesh: Mesh | None):
   """The context to trace and run programs over `mesh` in: its abstract mesh
   (`jax.sharding.use_abstract_mesh`), so a kernel XLA cannot partition (the TPU attention
-  kernels, `d2sd_jax.kernels.split.kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
+  kernels, `d2sd_jax.kernels.partition.kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
   no-op without a mesh. (`jax.set_mesh` would also make programs compiled ahead of time from
   unplaced shapes expect replicated arguments: scripts/distill.py's generator then refused its
   head-split caches.)"""
