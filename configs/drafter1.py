@@ -58,11 +58,25 @@ def get_config():
   c.train.compute_dtype = 'float32'  # drafter arithmetic; 'bfloat16' keeps float32 master weights
   c.train.grad_accum = 1  # micro-batches per step (same update, 1/k of the activations)
   c.train.remat = False  # recompute drafter layers in the backward pass (memory for compute)
+  # Anchors drawn without replacement (distinct positions; a window with fewer label positions
+  # than anchors_per_seq leaves the rest unused), as the D²SD reference draws them
+  c.train.distinct_anchors = False
 
   c.loss = ml_collections.ConfigDict()
   c.loss.decay = 4.0  # drafter 1: position weights exp(-(k-1)/decay)
   c.loss.beta = 0.8  # drafter 2: prefix-length prior P(l=j) ∝ beta^j
+  # drafter 2's prefix lengths: '' (beta^l, l = 0..gamma-2), 'reference' (the D²SD reference's:
+  # l = 1..14 ∝ 0.9^(l+1)) or weights per l ('0.38,0.25,...': e.g. the chain's measured first
+  # rejections, which benchmarks/drafter_quality.py prints as rejection_prior)
+  c.loss.prefix_prior = ''
   c.loss.tau = 4.0  # drafter 2: weights exp(-(k-l-1)/tau)
+  # drafter 2: each block's weights sum to 1 (True), or one weighted mean over the batch of the
+  # raw exp(-(k-l-1)/tau) (False, the D²SD reference's)
+  c.loss.block_norm = True
+  # drafter 2: a drafter 1 whose chain, drafted at each anchor, places the block at its first
+  # rejection (the only cut where a branch can add tokens), its rejected token forbidden there
+  # as decoding's redraft='exclude' forbids it; the prior above is then unused ('' = off)
+  c.loss.cuts_from = ''
   # Fraction of blocks partly unmasked (a ratio t ~ U(0,1) of the positions after the prefix
   # shown, no loss on them), so multi-step denoising (spec.steps > 1) has learnt what its later
   # passes see; 0 = every block fully masked after its prefix, as the shipped drafters trained.

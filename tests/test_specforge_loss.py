@@ -66,9 +66,9 @@ def our_blocks(ref, gamma, G):
   c = drafter1_config.get_config()
   c.train.anchors_per_seq = ref['anchors'].shape[1]
   c.loss.decay = float(gamma) if gamma > 0 else float('inf')
-  _, prefix, weights, reveal = training.sample_blocks(
+  _, prefix, weights, reveal, forbid = training.sample_blocks(
       jax.random.PRNGKey(0), jnp.asarray(ref['loss_mask'] > 0.5), c, G)
-  assert reveal is None
+  assert reveal is None and forbid is None
   return jnp.asarray(ref['anchors']), prefix, weights
 
 

@@ -13,6 +13,7 @@ target they were trained for. The step runs over a ('data', 'model') mesh (`d2sd
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -71,6 +72,13 @@ def validate(config) -> None:
                      f'{config.drafter.gamma}')
   if not 0.0 < config.loss.beta < 1.0:
     raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
+  prior = config.loss.get('prefix_prior', '')
+  if prior and prior != losses.REFERENCE_PRIOR:
+    losses.parse_prior(prior, config.drafter.gamma)
+  if config.loss.get('cuts_from', '') and config.kind != 'drafter2':
+    raise ValueError(f'loss.cuts_from={config.loss.cuts_from!r} places drafter 2\'s blocks; '
+                     f'kind={config.kind!r} trains from the anchor alone: set '
+                     "loss.cuts_from=''")
   if config.loss.tau <= 0 or config.loss.decay <= 0:
     raise ValueError('loss.tau and loss.decay must be > 0')
   if not 0.0 <= config.loss.get('reveal', 0.0) <= 1.0:
@@ -115,29 +123,64 @@ def optimizer(config):
 def sample_blocks(key, label_mask_BxL, config, gamma: int, evaluate: bool = False):
   """Anchors at positions whose next token is a label (response region), + prefix lengths and
   loss weights for this drafter kind; partly revealed blocks (loss.reveal) in training only:
-  held-out figures measure the fully masked blocks of one-step decoding."""
+  held-out figures measure the fully masked blocks of one-step decoding. Returns (anchors,
+  prefix, weights, reveal, forbid): forbid is set by at_chain_cuts only."""
   B, L = label_mask_BxL.shape
   A = config.train.anchors_per_seq
   k_anchor, k_prefix = jax.random.split(key)
   ok = jnp.concatenate([label_mask_BxL[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
-  logits = jnp.where(ok, 0.0, -jnp.inf)
-  anchors = jax.random.categorical(k_anchor, logits[:, None, :], axis=-1, shape=(B, A))
+  if config.train.get('distinct_anchors', False):
+    anchors, valid_BxA = losses.distinct_anchors(k_anchor, ok, A)
+  else:  # drawn with replacement
+    logits = jnp.where(ok, 0.0, -jnp.inf)
+    anchors = jax.random.categorical(k_anchor, logits[:, None, :], axis=-1, shape=(B, A))
+    valid_BxA = jnp.ones((B, A), bool)
   if config.kind == 'drafter1':
     prefix = jnp.zeros((B, A), jnp.int32)
     weights = losses.vp_weights(jnp.zeros((1,), jnp.int32), gamma, config.loss.decay)
     weights = jnp.broadcast_to(weights, (B, A, gamma))
   else:
-    prior = losses.vp_prefix_prior(gamma, config.loss.beta)
+    prior = losses.vp_prefix_prior(gamma, config.loss.beta, config.loss.get('prefix_prior', ''))
     prefix = jax.random.choice(k_prefix, gamma - 1, (B, A), p=prior).astype(jnp.int32)
-    weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau).reshape(B, A, gamma)
+    weights = losses.vp_weights(prefix.reshape(-1), gamma, config.loss.tau,
+                                config.loss.get('block_norm', True)).reshape(B, A, gamma)
+  weights = weights * valid_BxA[..., None]
   reveal = None
   if config.loss.get('reveal', 0.0) > 0 and not evaluate:  # partly unmasked (multi-step)
     reveal = losses.random_reveal(jax.random.fold_in(key, 7), (B, A, gamma), prefix,
                                   config.loss.reveal)
-  return anchors.astype(jnp.int32), prefix, weights, reveal
+  return anchors.astype(jnp.int32), prefix, weights, reveal, None
 
 
-def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None):
+def at_chain_cuts(blocks, chain, tparams, tcfg, feats, tokens, label_mask, label_ids, config,
+                  key, evaluate: bool = False):
+  """Drafter 2's blocks moved to where drafter 1's chain (chain = (its config, its params)) is
+  first rejected at each anchor: the prefix is the accepted drafts, the chain's rejected token
+  is forbidden at the first re-drafted position (decoding's redraft='exclude'), and a block
+  whose chain is accepted whole (no branch needed) carries no loss. These are the only blocks
+  whose re-draft can add tokens at decode time: a branch cut earlier re-drafts a token the
+  chain had right, one cut later keeps a wrong one."""
+  anchors, _, weights, _, _ = blocks
+  cdcfg, cparams = chain
+  G = cdcfg.gamma
+  cut_BxA, chain_token_BxA = losses.chain_cuts(cparams, cdcfg, tparams, tcfg,
+                                            feats.astype(jnp.float32), tokens, label_mask,
+                                            anchors, label_ids)
+  prefix = jnp.minimum(cut_BxA, G - 2)
+  in_use = (jnp.sum(weights, -1) > 0) & (cut_BxA < G - 1)
+  weights = losses.vp_weights(prefix.reshape(-1), G, config.loss.tau,
+                              config.loss.get('block_norm', True)).reshape(weights.shape)
+  weights = weights * in_use[..., None]
+  forbid = jnp.where(jnp.arange(G) == prefix[..., None] + 1, chain_token_BxA[..., None], -1)
+  reveal = None
+  if config.loss.get('reveal', 0.0) > 0 and not evaluate:
+    reveal = losses.random_reveal(jax.random.fold_in(key, 7), weights.shape, prefix,
+                                  config.loss.reveal)
+  return anchors, prefix, weights, reveal, forbid
+
+
+def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None,
+                    chain=None):
   """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
   float dtype) or None, in which case the frozen target computes them inside the step.
 
@@ -147,7 +190,9 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
   divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
   drafter layer in the backward pass instead of storing its activations. compiler_options: the
-  platform's (models/xla_options.py), for the devices of the run's mesh."""
+  platform's (models/xla_options.py), for the devices of the run's mesh. chain: (config,
+  params) of the drafter 1 whose first rejections place drafter 2's blocks (loss.cuts_from,
+  at_chain_cuts), or None."""
   t = config.train
   compute = t.get('compute_dtype', 'float32')
   accum, remat = t.get('grad_accum', 1), t.get('remat', False)
@@ -161,12 +206,22 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
       feats = features_lib.target_features(tparams, tcfg, dcfg, tokens)
     feats = jax.lax.stop_gradient(feats.astype(compute))
     params = {**jax.tree.map(lambda x: x.astype(compute), trainable), **fixed}
-    anchors, prefix, weights, reveal = blocks
+    anchors, prefix, weights, reveal, forbid = blocks
     return losses.drafter_loss(params, cdcfg, tparams, tcfg, tokens, feats, label_mask, anchors,
                                prefix, weights, calibrate, reveal, normalizer, remat,
                                label_ids_BxL=targets.get('label_ids'),
                                topk=(targets['topk_ids'], targets['topk_probs']) if soft else None,
-                               soft=soft)
+                               soft=soft, forbid_BxAxG=forbid)
+
+  def blocks_for(key, tparams, tokens, label_mask, targets, feats, chain_params, evaluate):
+    """This step's blocks, and the features (computed here when the chain needs them)."""
+    blocks = sample_blocks(key, label_mask, config, dcfg.gamma, evaluate)
+    if chain_params is None:
+      return blocks, feats
+    if feats is None:
+      feats = features_lib.target_features(tparams, tcfg, dcfg, tokens)
+    return at_chain_cuts(blocks, (chain[0], chain_params), tparams, tcfg, feats, tokens,
+                         label_mask, targets.get('label_ids'), config, key, evaluate), feats
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -191,10 +246,12 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
                    counts, 1)}
     return jax.tree.map(lambda g: g / weight, grads), metrics
 
-  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None):
+  def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None,
+                 chain_params=None):
     targets = targets or {}
     trainable, fixed = drafter_lib.split_fixed(dparams)
-    blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
+    blocks, feats = blocks_for(key, tparams, tokens, label_mask, targets, feats, chain_params,
+                               False)
     if accum == 1:
       (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
                                     feats)
@@ -205,14 +262,20 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
     metrics['grad_norm'] = optax.tree.norm(grads)
     return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
 
-  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None):
+  def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None,
+                chain_params=None):
+    targets = targets or {}
     trainable, fixed = drafter_lib.split_fixed(dparams)
-    blocks = sample_blocks(key, label_mask, config, dcfg.gamma, evaluate=True)
-    return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
+    blocks, feats = blocks_for(key, tparams, tokens, label_mask, targets, feats, chain_params,
+                               True)
+    return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats,
                    calibrate=True)[1]
 
-  return (jax.jit(train_step, donate_argnums=(0, 1), compiler_options=compiler_options),
-          jax.jit(eval_step, compiler_options=compiler_options))
+  steps = (jax.jit(train_step, donate_argnums=(0, 1), compiler_options=compiler_options),
+           jax.jit(eval_step, compiler_options=compiler_options))
+  if chain is None:
+    return steps
+  return tuple(functools.partial(f, chain_params=chain[1]) for f in steps)
 
 
 class StopRequest:
@@ -264,7 +327,8 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
   opt = optimizer(config)
   train_step, eval_step = make_train_step(
-      config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform))
+      config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform),
+      chain_drafter(config, target, dcfg, mesh))
 
   workdir = os.path.abspath(config.workdir)
   manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
@@ -406,6 +470,22 @@ class MetricsLog:
   def close(self):
     if self.tb is not None:
       self.tb.close()
+
+
+def chain_drafter(config, target, dcfg, mesh):
+  """(config, params) of loss.cuts_from, the drafter 1 whose chain places drafter 2's blocks,
+  or None. It must read the same target features as the drafter trained (they are shared)."""
+  path = config.loss.get('cuts_from', '')
+  if not path:
+    return None
+  ccfg, cparams, _ = load_drafter(path, target)
+  if (ccfg.gamma, tuple(ccfg.feature_layers)) != (dcfg.gamma, tuple(dcfg.feature_layers)):
+    raise ValueError(f'loss.cuts_from={path!r} drafts gamma={ccfg.gamma} from feature layers '
+                     f'{list(ccfg.feature_layers)}; this drafter has gamma={dcfg.gamma} and '
+                     f'{list(dcfg.feature_layers)}: name a drafter 1 built alike, or set '
+                     "loss.cuts_from=''")
+  print(f'blocks at the first rejections of {path}', flush=True)
+  return ccfg, jax.device_put(cparams, sharding.drafter_shardings(mesh, cparams))
 
 
 def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
