@@ -266,6 +266,7 @@ def run() -> dict:
   if FLAGS.train is not None:
     from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
     config = FLAGS.train
+    config.target = FLAGS.target  # (the drafter follows this target: feature layers, width...)
     training.validate(config)
     train_tcfg = C.target_config(FLAGS.target, config.get('dtype', 'float32'))
     mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}

@@ -27,3 +27,16 @@ def drafter_config(path: str):
   if dflash_format.is_dflash_folder(path):
     return dflash_format.drafter_config(dflash_format.read_config(path), path)
   return checkpoints.read_drafter_config(path)[0]
+
+
+def mask_token_id(path: str) -> int | None:
+  """The token whose target embedding is the mask embedding of the drafter at `path`: a DFlash
+  folder's dflash_config.mask_token_id, or what a drafter converted or trained from one
+  records (metadata 'dflash'); None for a drafter with a learned mask vector."""
+  path = os.path.abspath(checkpoints.resolve_path(path))
+  if dflash_format.is_dflash_folder(path):
+    config = dflash_format.read_config(path)
+    token = config['dflash_config'].get('mask_token_id', config.get('mask_token_id'))
+  else:
+    token = (checkpoints.read_drafter_config(path)[1].get('dflash') or {}).get('mask_token_id')
+  return None if token is None else int(token)

@@ -286,7 +286,7 @@ def train_program(config, tcfg, mesh, train_lib) -> Program:
   the target in config.dtype, the float32 drafter and its Adam state on the rules' shardings,
   the batch split over 'data'. `train_lib`: d2sd_jax.train.training (passed in: perf/ does not
   import train/)."""
-  dcfg = train_lib.drafter_config(config)
+  dcfg = train_lib.drafter_config(config, tcfg)
   dcfg.check_target(tcfg)
   opt = train_lib.optimizer(config)
   step, _ = train_lib.make_train_step(config, tcfg, dcfg, opt)

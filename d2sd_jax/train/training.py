@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -39,18 +40,27 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.train import losses
 from d2sd_jax.models import sharding
 from d2sd_jax.models import xla_options
+from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.train import architecture
 
 KINDS = ('drafter1', 'drafter2')
 
 
-def drafter_config(config) -> drafter_lib.DrafterConfig:
-  d = config.drafter
-  return drafter_lib.DrafterConfig(
-      gamma=d.gamma, n_layers=d.n_layers, d_model=d.d_model, n_heads=d.n_heads,
-      n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, d_ff=d.d_ff,
-      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps,
-      head_vocab=d.get('head_vocab', 0))
+def drafter_config(config, tcfg=None) -> drafter_lib.DrafterConfig:
+  """The run's drafter architecture (`architecture.resolve`): the drafter.* fields set, else
+  init_from's, else what follows from the target (config `tcfg`)."""
+  source = None
+  if config.get('init_from'):
+    try:
+      source = drafter_formats.drafter_config(config.init_from)
+    except (OSError, ValueError) as e:
+      raise type(e)(f'init_from={config.init_from!r}: {e}') from e
+  dcfg = architecture.resolve(config.drafter, tcfg, config.get('target', ''), source,
+                              config.get('init_from', ''))
+  if config.data.seq_len <= dcfg.gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={dcfg.gamma}')
+  return dcfg
 
 
 def validate(config) -> None:
@@ -66,9 +76,9 @@ def validate(config) -> None:
     raise ValueError(f'data.source={config.data.source!r}: use one of {data_lib.SOURCES}')
   if config.data.get('prefetch', 0) < 0:
     raise ValueError(f'data.prefetch={config.data.prefetch} must be >= 0')
-  if config.data.seq_len <= config.drafter.gamma:
-    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
-                     f'{config.drafter.gamma}')
+  gamma = config.drafter.get('gamma')
+  if gamma is not None and config.data.seq_len <= gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={gamma}')
   if not 0.0 < config.loss.beta < 1.0:
     raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
   if config.loss.tau <= 0 or config.loss.decay <= 0:
@@ -101,7 +111,13 @@ def validate(config) -> None:
                       ('train.compute_dtype', t.get('compute_dtype', 'float32'))):
     if value not in ('float32', 'bfloat16'):
       raise ValueError(f"{name}={value!r}: use 'float32' or 'bfloat16'")
-  drafter_config(config)  # the drafter's own checks (sizes, heads, head_vocab)
+  given = architecture.given(config.drafter)
+  if len(given) == len(architecture.FIELDS):  # all set: the drafter's own checks, now
+    drafter_lib.DrafterConfig(**given)
+  if t.warmup >= t.steps:
+    print(f'warning: train.warmup={t.warmup} >= train.steps={t.steps}: the learning rate never '
+          f'reaches train.lr={t.lr}; set --config.train.warmup={max(1, t.steps // 10)} (a tenth '
+          'of the steps)', file=sys.stderr, flush=True)
 
 
 def optimizer(config):
@@ -137,7 +153,8 @@ def sample_blocks(key, label_mask_BxL, config, gamma: int, evaluate: bool = Fals
   return anchors.astype(jnp.int32), prefix, weights, reveal
 
 
-def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None):
+def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None,
+                    frozen: tuple[str, ...] = ()):
   """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
   float dtype) or None, in which case the frozen target computes them inside the step.
 
@@ -147,7 +164,8 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
   divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
   drafter layer in the backward pass instead of storing its activations. compiler_options: the
-  platform's (models/xla_options.py), for the devices of the run's mesh."""
+  platform's (models/xla_options.py), for the devices of the run's mesh. frozen: parameters
+  kept as they are (`drafter.split_fixed`)."""
   t = config.train
   compute = t.get('compute_dtype', 'float32')
   accum, remat = t.get('grad_accum', 1), t.get('remat', False)
@@ -193,7 +211,7 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
 
   def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None):
     targets = targets or {}
-    trainable, fixed = drafter_lib.split_fixed(dparams)
+    trainable, fixed = drafter_lib.split_fixed(dparams, frozen)
     blocks = sample_blocks(key, label_mask, config, dcfg.gamma)
     if accum == 1:
       (_, metrics), grads = grad_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks,
@@ -206,7 +224,7 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
     return {**optax.apply_updates(trainable, updates), **fixed}, opt_state, metrics
 
   def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None):
-    trainable, fixed = drafter_lib.split_fixed(dparams)
+    trainable, fixed = drafter_lib.split_fixed(dparams, frozen)
     blocks = sample_blocks(key, label_mask, config, dcfg.gamma, evaluate=True)
     return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets or {}, blocks, feats,
                    calibrate=True)[1]
@@ -257,24 +275,37 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
   # bfloat16 never exists whole in float32, nor on one device).
   target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
-  dcfg = drafter_config(config)
+  dcfg = drafter_config(config, target.cfg)
   dcfg.check_target(target.cfg)
+  # A drafter started from a DFlash one keeps its mask embedding, the target's embedding of
+  # its mask token: what the DFlash format stores, so that it exports again.
+  mask_token = drafter_formats.mask_token_id(config.init_from) if config.get('init_from') else None
+  frozen = ('mask_embed',) if mask_token is not None else ()
+  if chief:
+    print(f'drafter: {architecture.describe(dcfg)}' + (
+        f' (from {config.init_from})' if config.get('init_from') else ''), flush=True)
   # Every record is checked here, before training: a malformed one names its file and line.
   soft_k = config.loss.get('soft_k', 8) if config.loss.get('soft', 0.0) else 0
   data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
   opt = optimizer(config)
   train_step, eval_step = make_train_step(
-      config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform))
+      config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform),
+      frozen)
 
   workdir = os.path.abspath(config.workdir)
   manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
-  meta = ckpt.checkpoint_metadata(config.kind, config.target, target, dcfg)
+  # (a target folder by its absolute path: export_drafter.py finds it from anywhere)
+  recorded = (os.path.abspath(config.target) if os.path.exists(config.target) else
+              config.target)
+  meta = ckpt.checkpoint_metadata(config.kind, recorded, target, dcfg)
+  if mask_token is not None:
+    meta['dflash'] = {'mask_token_id': mask_token}
   dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
   if dcfg.head_vocab:
     dparams['head_ids'] = drafter_lib.choose_head_ids(
         *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
   dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
-  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))  # follows p's sharding
+  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p, frozen)[0]))  # p's sharding
   rows = sharding.process_rows(config.train.batch_size)
   train_batches = grain_data.iterator(
       grain_data.batches(data, 'train', config.train.batch_size, config.train.seed, rows,
@@ -283,11 +314,10 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
+    saved_meta = _same_architecture(manager, start, target, dcfg, workdir)
     opt_state = init_opt(dparams)
     items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
     dparams, opt_state = items['params'], items['opt_state']
-    saved_meta = manager.restore(start, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))['meta']
     if 'confidence_temperature' in saved_meta:
       meta['confidence_temperature'] = saved_meta['confidence_temperature']
     data_from = grain_data.restore(manager, start, train_batches)
@@ -357,6 +387,9 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
                 'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
                 'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
         bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
+        if chief and not config.progress_bar:  # (no bar: a line per log_every steps)
+          print(f'step {done}/{config.train.steps}: loss {loss:.4f}, acc1 '
+                f'{last["acc_by_pos"][1]:.3f}, {last["tokens_per_s"]:.0f} tokens/s', flush=True)
         log.write(done, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
                                'train/acc_pos1': last['acc_by_pos'][1],
                                'train/tokens_per_s': last['tokens_per_s']})
@@ -381,8 +414,34 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
         break
   manager.wait_until_finished()
   log.close()
+  if chief and 'stopped_by' not in last:
+    print(next_steps(config, os.path.join(manager.directory, str(manager.latest_step())),
+                     dflash=mask_token is not None), flush=True)
   last['params'] = dparams
   return last
+
+
+def next_steps(config, checkpoint: str, dflash: bool = False) -> str:
+  """What a finished run prints: where its checkpoint is and the commands that follow
+  (`dflash`: the drafter started from a DFlash one, and exports as one again)."""
+  workdir, target = config.workdir, config.target
+  tflag = '' if target == 'smollm2' else f' --config.target={target}'
+  data = '' if config.data.path == 'data/distill' else f' --config.data.path={config.data.path}'
+  lines = [f'checkpoint: {checkpoint}', 'next:']
+  if config.kind == 'drafter1':
+    lines += [f'  python train.py --config configs/drafter2.py{tflag}{data} '
+              f'--config.init_from={workdir}   # drafter 2, from this one',
+              f'  python decode.py --config configs/smollm2.py{tflag} --config.method=dflash '
+              f'--config.drafter1={workdir}']
+  else:
+    lines += [f'  python decode.py --config configs/smollm2.py{tflag} --config.method=d2sd '
+              f'--config.drafter1={config.get("init_from") or "DRAFTER1"} '
+              f'--config.drafter2={workdir}']
+  lines.append(f'  python scripts/export_drafter.py {workdir} OUT   # bfloat16, as drafters/ '
+               'ships them')
+  if dflash:
+    lines.append(f'  python scripts/dflash.py export {workdir} OUT   # as a DFlash folder')
+  return '\n'.join(lines)
 
 
 class MetricsLog:
@@ -408,16 +467,35 @@ class MetricsLog:
       self.tb.close()
 
 
+def _same_architecture(manager, step: int, target, dcfg, workdir: str) -> dict:
+  """The metadata of the workdir's checkpoint `step`, after checking that it was made for this
+  target and this drafter architecture (a changed config is not a damaged checkpoint)."""
+  try:
+    saved = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception:  # pylint: disable=broad-except
+    return {}  # unreadable: ckpt.restore says so
+  ckpt.check_metadata(saved, target, os.path.join(manager.directory, str(step)))
+  diff = architecture.changed(saved.get('drafter') or {}, dcfg)
+  if diff:
+    raise ValueError(f'workdir {workdir} holds a drafter of another architecture: the config '
+                     f'changed ({"; ".join(diff)}): use another workdir, or the old values')
+  return saved
+
+
 def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
-  """Parameters of another drafter (e.g. drafter 1 to start drafter 2) as this run's start;
-  the architecture must match."""
-  src_cfg, src, _ = load_drafter(path, target)
-  mismatch = [f for f in ('gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim',
-                          'd_ff', 'feature_layers', 'head_vocab')
-              if getattr(src_cfg, f) != getattr(dcfg, f)]
+  """Parameters of another drafter (e.g. drafter 1 to start drafter 2, or a DFlash folder) as
+  this run's start; the architecture must match (`drafter_config` takes it from there)."""
+  try:
+    src_cfg, src, _ = load_drafter(path, target)
+  except ValueError as e:
+    raise ValueError(f'init_from={path!r}: {e}; or set --config.init_from to a drafter for '
+                     'this target') from e
+  mismatch = [f'{f}: {getattr(src_cfg, f)!r} there, {getattr(dcfg, f)!r} here'
+              for f in architecture.FIELDS if getattr(src_cfg, f) != getattr(dcfg, f)]
   if mismatch:
-    raise ValueError(f'init_from={path!r} has a different drafter architecture ({mismatch}): '
-                     'set the same drafter.* fields or drop init_from')
+    raise ValueError(f'init_from={path!r} has a different drafter architecture '
+                     f'({"; ".join(mismatch)}): drop the drafter.* flags that differ, or drop '
+                     'init_from')
   print(f'initialised from {path}', flush=True)
   return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), src, dparams)
 
