@@ -8,6 +8,7 @@ from ml_collections import config_flags
 
 from d2sd_jax import cli
 from d2sd_jax.decode import generate as generate_lib
+from d2sd_jax.decode import options as options_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'decode config file', lock_config=True)
 
@@ -20,4 +21,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main)  # user errors: one line on stderr, exit status 2
+  cli.run(main, options_lib.DECODE_FIELDS)  # user errors: one line on stderr, exit status 2

@@ -8,10 +8,13 @@ keeps its traceback (so does every error with D2SD_TRACEBACK=1 in the environmen
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app
 from absl import flags
+
+from d2sd_jax import config_check
 
 USER_ERRORS = (ValueError, OSError)
 EXIT_USER_ERROR = 2
@@ -29,15 +32,35 @@ def fail(e: BaseException, context: str = ''):
   sys.exit(EXIT_USER_ERROR)
 
 
-def _parse_flags(argv):
+def _parse_flags(argv, schema: dict | None = None):
   """absl's flag parsing; a bad --config override (unknown field, wrong type, missing config
-  file) is a user error too (config_flags raises KeyError / AttributeError / TypeError)."""
+  file) is a user error too (config_flags raises KeyError / AttributeError / TypeError). An
+  unknown field is named with the flag and, from `schema` (config_check's), the field meant."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # names the flag itself
     _fail_unless_traceback(e)
-  except (AttributeError, KeyError, TypeError, *USER_ERRORS) as e:
+  except (AttributeError, KeyError) as e:
+    _fail_unless_traceback(_unknown_field(e, argv, schema), 'bad command line: ')
+  except (TypeError, *USER_ERRORS) as e:
     _fail_unless_traceback(e, 'bad command line: ')
+
+
+def _unknown_field(e: BaseException, argv, schema: dict | None) -> BaseException:
+  """`--config.gamma=16: the config has no field gamma (did you mean --config.spec.gamma?)`
+  for config_flags' bare "'gamma'"."""
+  quoted = re.search(r"'([^']+)'", _one_line(e))
+  if not quoted:
+    return e
+  bad = quoted.group(1)
+  for arg in argv[1:]:
+    path = arg.removeprefix('--').split('=', 1)[0]
+    if path.startswith('config.') and bad in path.split('.')[1:]:
+      field = path.removeprefix('config.')
+      meant = config_check.closest(field, schema) if schema else None
+      return ValueError(f'--{arg.removeprefix("--")}: the config has no field {field}' +
+                        (f' (did you mean --config.{meant}?)' if meant else ''))
+  return e
 
 
 def _fail_unless_traceback(e: BaseException, context: str = ''):
@@ -46,8 +69,9 @@ def _fail_unless_traceback(e: BaseException, context: str = ''):
   fail(e, context)
 
 
-def run(main) -> None:
-  """app.run(main) with user errors as one line on stderr and exit status 2."""
+def run(main, schema: dict | None = None) -> None:
+  """app.run(main) with user errors as one line on stderr and exit status 2; `schema`: the
+  config's fields (config_check), to name the field an unknown one likely means."""
 
   def guarded(argv):
     try:
@@ -55,4 +79,4 @@ def run(main) -> None:
     except USER_ERRORS as e:
       _fail_unless_traceback(e)
 
-  app.run(guarded, flags_parser=_parse_flags)
+  app.run(guarded, flags_parser=lambda argv: _parse_flags(argv, schema))

@@ -116,7 +116,10 @@ def test_unknown_decode_fields_are_named(tiny_folder):
 
 
 @pytest.mark.parametrize('flags,message', [
-    (['--config.temprature=0.5'], 'Did you mean "temperature"'),  # refused by the flag parser
+    # refused by the flag parser; named with the flag and the field meant (config_check)
+    (['--config.temprature=0.5'], '--config.temprature=0.5: the config has no field '
+                                  'temprature (did you mean --config.temperature?)'),
+    (['--config.gamma=16'], 'no field gamma (did you mean --config.spec.gamma?)'),
     (['--config.temperature=-1'], 'temperature=-1.0 must be >= 0'),  # ValueError
     (['--config.prompts_file=/no/such.jsonl'], "prompts_file '/no/such.jsonl' not found"),
     # A JSON object is a plain string to the flag parser: read, then refused by decode.py.
@@ -157,13 +160,14 @@ def test_config_is_the_library_defaults():
            if f.name in config_check.SPEC_KNOBS}
   assert set(knobs) == set(speculative.SpecSettings.__dataclass_fields__) - set(
       config_check.NOT_KNOBS)
-  assert config.spec.to_dict() == knobs
+  # gamma: None, drafter 1's block unless set (options_lib.spec_fields, shared with the notebook)
+  assert config.spec.to_dict() == {**knobs, 'gamma': None}
   assert set(options_lib.DECODE_FIELDS['spec']) == set(knobs)
   for f in dataclasses.fields(options_lib.Options):
     if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
       assert config[f.name] == f.default, f.name
   assert options_lib.options_from_config(config) == options_lib.Options(
-      method=config.method, spec=knobs)
+      method=config.method, spec={**knobs, 'gamma': None})
 
 
 def test_methods_are_read_from_the_registry_at_call_time(tiny_folder, monkeypatch):
