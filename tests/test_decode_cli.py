@@ -288,3 +288,29 @@ def test_speculative_batches_of_different_prompt_widths(tiny_folder, tmp_path):
     assert 'stage_ms' not in stats  # only on request (config.stage_times)
     ids[method] = [json.loads(line)['completion_ids'] for line in out.read_text().splitlines()]
   assert ids['pld'] == ids['ar'] and len(ids['ar']) == 2
+
+
+def test_drafters_of_another_target_auto_leaves_out_or_the_error_names_the_flags(tiny_folder,
+                                                                                 tmp_path):
+  """The default command with another target: auto leaves out the shipped (SmolLM2) drafters
+  and says so; drafters the user named that do not fit are an error naming the flags to fix."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  target = loaders.load_target(tiny_folder)
+  config = smollm2_config.get_config()  # method auto, the shipped drafters
+  config.target = tiny_folder
+  options = options_lib.validate(config)
+  wanted, note = generate_lib._drafters_for(target, config, options, ['drafter1', 'drafter2'])
+  assert wanted == [] and note.startswith(
+      "the shipped drafters are for 'smollm2', not this target, so auto weighs the methods that "
+      'need none (ar, pld)')
+  mine = str(tmp_path / 'mine')
+  shutil.copytree(os.path.join(ROOT, 'drafters', 'smollm2-drafter1'), mine)
+  for method in ('auto', 'dflash'):
+    config.update(drafter1=mine, method=method)
+    with pytest.raises(ValueError, match=(
+        rf"--config.drafter1={mine}: checkpoint .* was trained for target 'smollm2' .*Give "
+        r'drafters for this target \(--config.drafter1=PATH --config.drafter2=PATH\) or decode '
+        r'without them \(--config.method=pld\)')):
+      generate_lib._drafters_for(target, config, options_lib.validate(config), ['drafter1'])
+  config.update(drafter1='', drafter2='', method='pld')  # nothing to leave out
+  assert generate_lib._drafters_for(target, config, options_lib.validate(config), []) == ([], '')

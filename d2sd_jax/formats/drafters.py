@@ -40,3 +40,26 @@ def mask_token_id(path: str) -> int | None:
   else:
     token = (checkpoints.read_drafter_config(path)[1].get('dflash') or {}).get('mask_token_id')
   return None if token is None else int(token)
+
+
+def target_mismatch(path: str, target: loaders.Target) -> str | None:
+  """Why the drafter at `path` is not for `target` (its load would be refused), from its
+  metadata or config alone; None when it is."""
+  path = os.path.abspath(checkpoints.resolve_path(path))
+  try:
+    if dflash_format.is_dflash_folder(path):
+      config = dflash_format.read_config(path)
+      dflash_format.check_target(config, dflash_format.drafter_config(config, path), path,
+                                 target)
+    else:
+      meta = checkpoints.read_drafter_config(path)[1]
+      checkpoints.check_metadata(meta, target, path)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def is_shipped(path: str) -> bool:
+  """A drafter of the repository's drafters/ folder (the decode config's defaults)."""
+  shipped = os.path.join(checkpoints.REPO_ROOT, 'drafters') + os.sep
+  return os.path.abspath(checkpoints.resolve_path(path)).startswith(shipped)
