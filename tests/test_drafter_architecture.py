@@ -139,3 +139,18 @@ def test_a_run_says_what_it_does_and_a_changed_shape_is_named(tiny_folder, disti
                                        r'workdir, or the old values'):
     training.run(c)
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == before
+
+
+def test_exports_find_the_target_a_checkpoint_records(tiny_folder, tiny_drafters, tmp_path):
+  """scripts/export_drafter.py and scripts/dflash.py export without --target use the target the
+  checkpoint records; a --target it was not made for, or a folder that records none, is refused
+  naming the fix."""
+  from d2sd_jax.formats import drafters  # pylint: disable=import-outside-toplevel
+  source, target = drafters.recorded_target(tiny_drafters['drafter1'])
+  assert source == os.path.abspath(tiny_folder) and target.cfg.n_layers == 2
+  other = test_training.another_target(tiny_folder, tmp_path)
+  with pytest.raises(ValueError, match=rf"was trained for target .* \(--target {other}\): leave "
+                                       rf"--target out to use the recorded '{source}'"):
+    drafters.recorded_target(tiny_drafters['drafter1'], other)
+  with pytest.raises(ValueError, match=r'records no target: pass --target'):
+    drafters.recorded_target(os.path.join(DFLASH, 'drafter'))

@@ -63,3 +63,30 @@ def is_shipped(path: str) -> bool:
   """A drafter of the repository's drafters/ folder (the decode config's defaults)."""
   shipped = os.path.join(checkpoints.REPO_ROOT, 'drafters') + os.sep
   return os.path.abspath(checkpoints.resolve_path(path)).startswith(shipped)
+
+
+def recorded_target(path: str, given: str | None = None) -> tuple[str, loaders.Target]:
+  """(source, Target) of the target a drafter folder was made for: `given` (smollm2, a .gguf
+  file or a Hugging Face folder), else the one its metadata records (train.py records its
+  config.target). Refuses a given target the drafter was not made for, naming the fix."""
+  path = os.path.abspath(checkpoints.resolve_path(path))
+  if dflash_format.is_dflash_folder(path):
+    recorded = dflash_format.target_name(dflash_format.read_config(path), path)
+    recorded = None if recorded == 'unknown' else recorded
+  else:
+    recorded = checkpoints.read_drafter_config(path)[1].get('target')
+  source = given or recorded
+  if not source:
+    raise ValueError(f'{path} records no target: pass --target (smollm2, a .gguf file or a '
+                     'Hugging Face folder)')
+  try:
+    target = loaders.load_target(source)
+  except OSError as e:
+    raise FileNotFoundError(f'{e}; {path} was made for target {recorded!r}: pass --target with '
+                            'where that model is now') from e
+  why = target_mismatch(path, target)
+  if why:
+    raise ValueError(f'{why} (--target {source}): leave --target out to use the recorded '
+                     f'{recorded!r}, or pass --target with where that model is now' if given
+                     else why)
+  return source, target
