@@ -16,4 +16,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main, config_check.TRAIN_FIELDS)  # user errors: one line on stderr, exit status 2
+  # user errors: one line on stderr, exit status 2; an unknown field with the one it likely means
+  cli.run(main, lambda field: config_check.closest(field, config_check.TRAIN_FIELDS))

@@ -14,8 +14,6 @@ import sys
 from absl import app
 from absl import flags
 
-from d2sd_jax import config_check
-
 USER_ERRORS = (ValueError, OSError)
 EXIT_USER_ERROR = 2
 
@@ -32,21 +30,21 @@ def fail(e: BaseException, context: str = ''):
   sys.exit(EXIT_USER_ERROR)
 
 
-def _parse_flags(argv, schema: dict | None = None):
+def _parse_flags(argv, meant=None):
   """absl's flag parsing; a bad --config override (unknown field, wrong type, missing config
   file) is a user error too (config_flags raises KeyError / AttributeError / TypeError). An
-  unknown field is named with the flag and, from `schema` (config_check's), the field meant."""
+  unknown field is named with the flag and the field `meant(field)` says it likely means."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # names the flag itself
     _fail_unless_traceback(e)
   except (AttributeError, KeyError) as e:
-    _fail_unless_traceback(_unknown_field(e, argv, schema), 'bad command line: ')
+    _fail_unless_traceback(_unknown_field(e, argv, meant), 'bad command line: ')
   except (TypeError, *USER_ERRORS) as e:
     _fail_unless_traceback(e, 'bad command line: ')
 
 
-def _unknown_field(e: BaseException, argv, schema: dict | None) -> BaseException:
+def _unknown_field(e: BaseException, argv, meant) -> BaseException:
   """`--config.gamma=16: the config has no field gamma (did you mean --config.spec.gamma?)`
   for config_flags' bare "'gamma'"."""
   quoted = re.search(r"'([^']+)'", _one_line(e))
@@ -57,9 +55,9 @@ def _unknown_field(e: BaseException, argv, schema: dict | None) -> BaseException
     path = arg.removeprefix('--').split('=', 1)[0]
     if path.startswith('config.') and bad in path.split('.')[1:]:
       field = path.removeprefix('config.')
-      meant = config_check.closest(field, schema) if schema else None
+      known = meant(field) if meant else None
       return ValueError(f'--{arg.removeprefix("--")}: the config has no field {field}' +
-                        (f' (did you mean --config.{meant}?)' if meant else ''))
+                        (f' (did you mean --config.{known}?)' if known else ''))
   return e
 
 
@@ -69,9 +67,9 @@ def _fail_unless_traceback(e: BaseException, context: str = ''):
   fail(e, context)
 
 
-def run(main, schema: dict | None = None) -> None:
-  """app.run(main) with user errors as one line on stderr and exit status 2; `schema`: the
-  config's fields (config_check), to name the field an unknown one likely means."""
+def run(main, meant=None) -> None:
+  """app.run(main) with user errors as one line on stderr and exit status 2; `meant(field)`:
+  the config field an unknown one likely means, or None (config_check.closest)."""
 
   def guarded(argv):
     try:
@@ -79,4 +77,4 @@ def run(main, schema: dict | None = None) -> None:
     except USER_ERRORS as e:
       _fail_unless_traceback(e)
 
-  app.run(guarded, flags_parser=lambda argv: _parse_flags(argv, schema))
+  app.run(guarded, flags_parser=lambda argv: _parse_flags(argv, meant))
