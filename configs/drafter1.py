@@ -40,6 +40,10 @@ def get_config():
   # The drafter predicts only the data's N likeliest tokens (0: all). None: 8192 (0 for a
   # vocabulary of at most 16384 tokens)
   c.drafter.head_vocab = placeholder(int)
+  # The mask embedding. None: a learned vector (with init_from, the starting drafter's mask);
+  # N: the target's embedding of token N, kept frozen, as DFlash drafters have it (a drafter
+  # then exports to DFlash format unchanged: scripts/dflash.py export)
+  c.drafter.mask_token_id = placeholder(int)
 
   c.data = ml_collections.ConfigDict()
   # 'shards' (gzip JSONL from d2sd_jax.train.distill: the target's own responses, the best labels),

@@ -21,7 +21,8 @@ SPEC_KNOBS = tuple(f.name for f in dataclasses.fields(speculative.SpecSettings)
 TRAIN_FIELDS = {
     'kind': None, 'target': None, 'dtype': None, 'workdir': None, 'init_from': None,
     'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
-                'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab'},
+                'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab',
+                'mask_token_id'},
     'data': {'source', 'path', 'tfds_dir', 'tfds_name', 'tfds_split', 'text_field', 'prefetch',
              'seq_len', 'eval_fraction', 'features_dir', 'corpus_path', 'corpus_windows'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',

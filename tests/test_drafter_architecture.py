@@ -111,6 +111,19 @@ def test_a_dflash_folder_fine_tunes_and_exports_to_dflash_format(tmp_path):
     assert getattr(dcfg, field) == getattr(src_cfg, field), field
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(out['params'])):
     np.testing.assert_array_equal(a, b)
+  # From scratch with drafter.mask_token_id: the Qwen3 target's shape (q/k norms included) and
+  # a frozen mask token, so it exports too; a mask token init_from contradicts is refused.
+  c.update(init_from='', workdir=str(tmp_path / 'scratch'))
+  c.drafter.mask_token_id = 62
+  out = training.run(c)
+  np.testing.assert_array_equal(out['params']['mask_embed'], target.params['embed'][62])
+  info = dflash_format.export_drafter(str(tmp_path / 'scratch'), str(tmp_path / 'new'), target)
+  dcfg, _, _ = dflash_format.load_folder(str(tmp_path / 'new'), target)
+  assert info['mask_token_id'] == 62 and dcfg.qk_norm and dcfg.d_model == target.cfg.d_model
+  c.update(init_from=os.path.join(DFLASH, 'drafter'), workdir=str(tmp_path / 'clash'))
+  with pytest.raises(ValueError, match=r"drafter.mask_token_id=62 but init_from=.* has "
+                                       r'mask_token_id 63: drop the flag'):
+    training.run(c)
 
 
 def test_a_run_says_what_it_does_and_a_changed_shape_is_named(tiny_folder, distill_dir,

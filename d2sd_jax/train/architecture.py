@@ -15,6 +15,10 @@ Every `drafter.*` field of configs/drafter1.py is None unless set (`--config.dra
                     named target 'smollm2', whose shipped drafters read (1, 10, 20, 29); gamma,
                     n_layers and head_vocab take SCRATCH (head_vocab 0 for a vocabulary of at
                     most 2 x 8192 tokens: a subset would save little).
+
+`drafter.mask_token_id` is not architecture but input: None, a learned mask vector (or, with
+init_from, the starting drafter's mask token); N, the target's embedding of token N, kept frozen
+in training, as DFlash drafters have it, so that the drafter exports to DFlash format unchanged.
 """
 from __future__ import annotations
 
@@ -106,3 +110,22 @@ def changed(saved: dict, dcfg: drafter_lib.DrafterConfig) -> list[str]:
   (`saved`, its 'drafter' dict) differs from this run's config."""
   return [f'{k}: {saved[k]!r} -> {getattr(dcfg, k)!r}' for k in FIELDS
           if k in saved and _normal(k, saved[k]) != _normal(k, getattr(dcfg, k))]
+
+
+def mask_token(drafter_group, vocab_size: int, source_token: int | None = None,
+               source_path: str = '') -> int | None:
+  """The token whose target embedding is the drafter's mask embedding (None: a learned
+  vector): drafter.mask_token_id if set, else init_from's (`source_token`)."""
+  given = drafter_group.get('mask_token_id')
+  if given is None:
+    return source_token
+  given = int(given)
+  if source_path and given != source_token:
+    has = ('a learned mask vector' if source_token is None else
+           f'mask_token_id {source_token}')
+    raise ValueError(f'drafter.mask_token_id={given} but init_from={source_path!r} has {has}: '
+                     'drop the flag (init_from sets the mask too)')
+  if not 0 <= given < vocab_size:
+    raise ValueError(f'drafter.mask_token_id={given} is not a token of the target '
+                     f'(0..{vocab_size - 1})')
+  return given

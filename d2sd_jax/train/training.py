@@ -277,9 +277,12 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
   dcfg = drafter_config(config, target.cfg)
   dcfg.check_target(target.cfg)
-  # A drafter started from a DFlash one keeps its mask embedding, the target's embedding of
-  # its mask token: what the DFlash format stores, so that it exports again.
-  mask_token = drafter_formats.mask_token_id(config.init_from) if config.get('init_from') else None
+  # A mask embedding that is the target's embedding of a token (a DFlash drafter's, or
+  # drafter.mask_token_id) stays so: what the DFlash format stores, so that it exports.
+  mask_token = architecture.mask_token(
+      config.drafter, target.cfg.vocab_size,
+      drafter_formats.mask_token_id(config.init_from) if config.get('init_from') else None,
+      config.get('init_from', ''))
   frozen = ('mask_embed',) if mask_token is not None else ()
   if chief:
     print(f'drafter: {architecture.describe(dcfg)}' + (
@@ -301,6 +304,8 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   if mask_token is not None:
     meta['dflash'] = {'mask_token_id': mask_token}
   dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
+  if mask_token is not None:
+    dparams['mask_embed'] = jnp.asarray(target.params['embed'][mask_token], jnp.float32)
   if dcfg.head_vocab:
     dparams['head_ids'] = drafter_lib.choose_head_ids(
         *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
