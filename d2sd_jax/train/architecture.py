@@ -31,10 +31,9 @@ from d2sd_jax.models import target as model_lib
 # The DrafterConfig fields train.py sets (`drafter.*`): the drafter's architecture.
 FIELDS = ('gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
           'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab')
-# drafter field -> the target's (ModelConfig) field it copies when neither set nor inherited
-FROM_TARGET = {'d_model': 'd_model', 'n_heads': 'n_heads', 'n_kv_heads': 'n_kv_heads',
-               'head_dim': 'head_dim', 'd_ff': 'd_ff', 'rope_base': 'rope_base',
-               'norm_eps': 'norm_eps', 'qk_norm': 'qk_norm'}
+# The fields a new drafter copies from the target (ModelConfig's of the same names).
+FROM_TARGET = ('d_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff', 'rope_base', 'norm_eps',
+               'qk_norm')
 # From scratch, the fields the target does not decide (gamma 8 suits CPU verification; 16 is
 # DFlash's and the paper's block on GPU/TPU).
 SCRATCH = {'gamma': 8, 'n_layers': 2, 'head_vocab': 8192}
@@ -75,27 +74,26 @@ def resolve(drafter_group, tcfg: model_lib.ModelConfig | None, target_name: str 
   drafter init_from names (at `source_path`). Without a target config (tcfg None) every field
   must be set or inherited."""
   fields = given(drafter_group)
+  set_head_vocab = 'head_vocab' in fields
   if source is not None:
     clash = [f'drafter.{k}={v!r} but init_from={source_path!r} has {getattr(source, k)!r}'
              for k, v in fields.items() if _normal(k, getattr(source, k)) != v]
     if clash:
       raise ValueError(f'{"; ".join(clash)}: init_from sets the whole drafter architecture, so '
                        'drop those drafter.* flags (or drop init_from to train another shape)')
-    return dataclasses.replace(source, **{k: getattr(source, k) for k in FIELDS},
-                               confidence_temperature=1.0, dtype='float32')
+    # (a new run fits its own confidence temperature; training keeps float32 weights)
+    return dataclasses.replace(source, confidence_temperature=1.0, dtype='float32')
   for name, default in SCRATCH.items():
     fields.setdefault(name, default)
   missing = [k for k in FIELDS if k not in fields]
   if missing and tcfg is None:
     raise ValueError(f'drafter.{", drafter.".join(missing)} unset and no target to follow')
-  for name in missing:
-    if name == 'feature_layers':
-      fields[name] = feature_layers_for(tcfg, fields['n_layers'], target_name)
-    else:  # (floats to 6 digits: a GGUF stores SmolLM2's norm eps 1e-5 as float32 9.9999997e-6)
-      value = getattr(tcfg, FROM_TARGET[name])
-      fields[name] = float(f'{value:.6g}') if isinstance(value, float) else value
-  if 'head_vocab' not in given(drafter_group) and tcfg is not None and (
-      tcfg.vocab_size <= 2 * SCRATCH['head_vocab']):
+  for name in (n for n in FROM_TARGET if n in missing):
+    value = getattr(tcfg, name)  # (floats to 6 digits: a GGUF stores 1e-5 as 9.9999997e-6)
+    fields[name] = float(f'{value:.6g}') if isinstance(value, float) else value
+  if 'feature_layers' in missing:
+    fields['feature_layers'] = feature_layers_for(tcfg, fields['n_layers'], target_name)
+  if not set_head_vocab and tcfg is not None and tcfg.vocab_size <= 2 * SCRATCH['head_vocab']:
     fields['head_vocab'] = 0
   return drafter_lib.DrafterConfig(**fields)
 
