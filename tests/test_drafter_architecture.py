@@ -167,3 +167,20 @@ def test_exports_find_the_target_a_checkpoint_records(tiny_folder, tiny_drafters
     drafters.recorded_target(tiny_drafters['drafter1'], other)
   with pytest.raises(ValueError, match=r'records no target: pass --target'):
     drafters.recorded_target(os.path.join(DFLASH, 'drafter'))
+
+
+def test_init_from_a_drafter_of_another_target_names_the_flag(tiny_folder, distill_dir,
+                                                              tmp_path):
+  """configs/drafter2.py starts from the shipped SmolLM2 drafter 1: with another target that is
+  refused before its architecture is taken (its feature layers would not fit), naming the flag."""
+  sys.path.insert(0, os.path.join(ROOT, 'configs'))
+  import drafter2 as drafter2_config  # pylint: disable=import-outside-toplevel
+  c = drafter2_config.get_config()
+  c.update(target=tiny_folder, workdir=str(tmp_path / 'run'))
+  c.data.update(path=distill_dir, seq_len=24)
+  with pytest.raises(ValueError, match=r"init_from='drafters/smollm2-drafter1': checkpoint .* was "
+                                       r"trained for target 'smollm2'.*Set --config.init_from to "
+                                       r"a drafter for this target"):
+    training.run(c)
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints') or not os.listdir(
+      tmp_path / 'run' / 'checkpoints')

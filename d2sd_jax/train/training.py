@@ -275,6 +275,10 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
   # bfloat16 never exists whole in float32, nor on one device).
   target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
+  misfit = config.get('init_from') and drafter_formats.target_mismatch(config.init_from, target)
+  if misfit:  # (before its architecture is taken: its feature layers may not fit this target)
+    raise ValueError(f'init_from={config.init_from!r}: {misfit}. Set --config.init_from to a '
+                     'drafter for this target (drafter 2: your drafter 1\'s workdir), or to \'\'')
   dcfg = drafter_config(config, target.cfg)
   dcfg.check_target(target.cfg)
   # A mask embedding that is the target's embedding of a token (a DFlash drafter's, or
@@ -490,11 +494,7 @@ def _same_architecture(manager, step: int, target, dcfg, workdir: str) -> dict:
 def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
   """Parameters of another drafter (e.g. drafter 1 to start drafter 2, or a DFlash folder) as
   this run's start; the architecture must match (`drafter_config` takes it from there)."""
-  try:
-    src_cfg, src, _ = load_drafter(path, target)
-  except ValueError as e:
-    raise ValueError(f'init_from={path!r}: {e}; or set --config.init_from to a drafter for '
-                     'this target') from e
+  src_cfg, src, _ = load_drafter(path, target)
   mismatch = [f'{f}: {getattr(src_cfg, f)!r} there, {getattr(dcfg, f)!r} here'
               for f in architecture.FIELDS if getattr(src_cfg, f) != getattr(dcfg, f)]
   if mismatch:
