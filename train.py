@@ -3,6 +3,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from d2sd_jax import cli
+from d2sd_jax import config_check
 from d2sd_jax.train import training
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'training config file', lock_config=True)
@@ -15,4 +16,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main)  # user errors: one line on stderr, exit status 2
+  # user errors: one line on stderr, exit status 2; an unknown field with the one it likely means
+  cli.run(main, lambda field: config_check.closest(field, config_check.TRAIN_FIELDS))

@@ -45,7 +45,7 @@ def main():
   for name, v in variants.items():
     config = drafter1_config.get_config()
     config.drafter.head_vocab = v.get('head_vocab', config.drafter.head_vocab)
-    dcfg = training.drafter_config(config)
+    dcfg = training.drafter_config(config, target.cfg)
     dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(0))
     opt = training.optimizer(config)
     step, _ = training.make_train_step(config, target.cfg, dcfg, opt)

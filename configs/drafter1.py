@@ -1,8 +1,9 @@
-"""Train drafter 1 (block diffusion) for the SmolLM2 target.
+"""Train drafter 1 (block diffusion) for the SmolLM2 target, or any other (`target`).
 
   python train.py --config configs/drafter1.py [--config.train.steps=2000]
 """
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config():
@@ -11,20 +12,38 @@ def get_config():
   c.target = 'smollm2'  # the target the drafter learns (must match at decode time)
   c.dtype = 'float32'  # the frozen target's weights ('bfloat16' on pods: half the memory)
   c.workdir = 'runs/drafter1'  # checkpoints/ and metrics.jsonl go here; rerun to resume
-  c.init_from = ''  # a drafter (workdir or export) whose weights start this run (drafter 2: 1's)
+  # A drafter whose weights AND architecture start this run: a train.py workdir, an exported
+  # drafter or a DFlash folder (drafter 2: drafter 1's); '' = from scratch
+  c.init_from = ''
 
+  # The drafter's architecture (d2sd_jax/train/architecture.py). None = not set: with init_from,
+  # the starting drafter's (all of it; a set field must agree with it); from scratch, the value
+  # after "None:" (for SmolLM2 exactly the shipped drafters' architecture).
   c.drafter = ml_collections.ConfigDict()
-  c.drafter.gamma = 8  # block: anchor + gamma-1 drafts (8 suits CPU verification; 16 on GPU/TPU)
-  c.drafter.n_layers = 2  # transformer layers
-  c.drafter.d_model = 576  # width (576 = the target's: no in/out projections)
-  c.drafter.n_heads = 9
-  c.drafter.n_kv_heads = 3
-  c.drafter.head_dim = 64
-  c.drafter.d_ff = 1536
-  c.drafter.feature_layers = (1, 10, 20, 29)  # target hidden states fed to the drafter
-  c.drafter.rope_base = 100000.0
-  c.drafter.norm_eps = 1e-5
-  c.drafter.head_vocab = 8192  # the drafter predicts only the data's 8192 likeliest tokens (0: all)
+  c.drafter.gamma = placeholder(int)  # block: anchor + gamma-1 drafts. None: 8 (suits CPU
+  #                                      verification; 16 on GPU/TPU, DFlash's block)
+  c.drafter.n_layers = placeholder(int)  # transformer layers. None: 2
+  c.drafter.d_model = placeholder(int)  # width. None: the target's (no in/out projections)
+  c.drafter.n_heads = placeholder(int)  # None: the target's
+  c.drafter.n_kv_heads = placeholder(int)  # None: the target's
+  c.drafter.head_dim = placeholder(int)  # None: the target's
+  c.drafter.d_ff = placeholder(int)  # FFN width. None: the target's
+  # Target hidden states fed to the drafter (0 = the embeddings). None: DFlash's choice, one
+  # per drafter layer spread from the target's second to its third-last layer; the 'smollm2'
+  # target: (1, 10, 20, 29), what its shipped drafters read
+  c.drafter.feature_layers = placeholder(tuple)
+  c.drafter.rope_base = placeholder(float)  # None: the target's
+  c.drafter.norm_eps = placeholder(float)  # None: the target's
+  # Per-head RMSNorm of queries and keys (Qwen3 layers; DFlash format needs them). None: the
+  # target's (SmolLM2: False; Qwen3: True)
+  c.drafter.qk_norm = placeholder(bool)
+  # The drafter predicts only the data's N likeliest tokens (0: all). None: 8192 (0 for a
+  # vocabulary of at most 16384 tokens)
+  c.drafter.head_vocab = placeholder(int)
+  # The mask embedding. None: a learned vector (with init_from, the starting drafter's mask);
+  # N: the target's embedding of token N, kept frozen, as DFlash drafters have it (a drafter
+  # then exports to DFlash format unchanged: scripts/dflash.py export)
+  c.drafter.mask_token_id = placeholder(int)
 
   c.data = ml_collections.ConfigDict()
   # 'shards' (gzip JSONL from d2sd_jax.train.distill: the target's own responses, the best labels),

@@ -3,9 +3,11 @@
   python decode.py --config configs/smollm2.py --config.prompt="Write a haiku about JAX."
 
 The values are the library's defaults (d2sd_jax.Options, d2sd_jax.SpecSettings; a test keeps
-them equal), except the target, the method and its drafters.
+them equal), except the target, the method and its drafters, and spec.gamma, which follows
+drafter 1 unless set (as Decoder.generate's gamma does).
 """
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config():
@@ -23,7 +25,9 @@ def get_config():
   c.drafter2 = 'drafters/smollm2-drafter2'  # drafter 2 (VP drafter), for method='d2sd'
   # Speculative knobs: exactly the fields of speculative.SpecSettings (a new field = a new line).
   c.spec = ml_collections.ConfigDict()
-  c.spec.gamma = 8  # block: the anchor + gamma-1 drafted tokens (the drafters' own block length)
+  # Block: the anchor + gamma-1 drafted tokens. None: drafter 1's own block length (8 for the
+  # shipped drafters, 16 for z-lab's DFlash b16 ones); 8 without drafters
+  c.spec.gamma = placeholder(int)
   c.spec.ngram_max = 3  # pld: longest n-gram looked up in the context
   c.spec.n_branches = 4  # K: branches re-drafted from drafter 1's likely rejection points
   c.spec.steps = 1  # diffusion effort: denoising passes per drafted block

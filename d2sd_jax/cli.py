@@ -8,6 +8,7 @@ keeps its traceback (so does every error with D2SD_TRACEBACK=1 in the environmen
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app
@@ -29,15 +30,35 @@ def fail(e: BaseException, context: str = ''):
   sys.exit(EXIT_USER_ERROR)
 
 
-def _parse_flags(argv):
+def _parse_flags(argv, meant=None):
   """absl's flag parsing; a bad --config override (unknown field, wrong type, missing config
-  file) is a user error too (config_flags raises KeyError / AttributeError / TypeError)."""
+  file) is a user error too (config_flags raises KeyError / AttributeError / TypeError). An
+  unknown field is named with the flag and the field `meant(field)` says it likely means."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:  # names the flag itself
     _fail_unless_traceback(e)
-  except (AttributeError, KeyError, TypeError, *USER_ERRORS) as e:
+  except (AttributeError, KeyError) as e:
+    _fail_unless_traceback(_unknown_field(e, argv, meant), 'bad command line: ')
+  except (TypeError, *USER_ERRORS) as e:
     _fail_unless_traceback(e, 'bad command line: ')
+
+
+def _unknown_field(e: BaseException, argv, meant) -> BaseException:
+  """`--config.gamma=16: the config has no field gamma (did you mean --config.spec.gamma?)`
+  for config_flags' bare "'gamma'"."""
+  quoted = re.search(r"'([^']+)'", _one_line(e))
+  if not quoted:
+    return e
+  bad = quoted.group(1)
+  for arg in argv[1:]:
+    path = arg.removeprefix('--').split('=', 1)[0]
+    if path.startswith('config.') and bad in path.split('.')[1:]:
+      field = path.removeprefix('config.')
+      known = meant(field) if meant else None
+      return ValueError(f'--{arg.removeprefix("--")}: the config has no field {field}' +
+                        (f' (did you mean --config.{known}?)' if known else ''))
+  return e
 
 
 def _fail_unless_traceback(e: BaseException, context: str = ''):
@@ -46,8 +67,9 @@ def _fail_unless_traceback(e: BaseException, context: str = ''):
   fail(e, context)
 
 
-def run(main) -> None:
-  """app.run(main) with user errors as one line on stderr and exit status 2."""
+def run(main, meant=None) -> None:
+  """app.run(main) with user errors as one line on stderr and exit status 2; `meant(field)`:
+  the config field an unknown one likely means, or None (config_check.closest)."""
 
   def guarded(argv):
     try:
@@ -55,4 +77,4 @@ def run(main) -> None:
     except USER_ERRORS as e:
       _fail_unless_traceback(e)
 
-  app.run(guarded, flags_parser=_parse_flags)
+  app.run(guarded, flags_parser=lambda argv: _parse_flags(argv, meant))

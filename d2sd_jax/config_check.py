@@ -21,7 +21,8 @@ SPEC_KNOBS = tuple(f.name for f in dataclasses.fields(speculative.SpecSettings)
 TRAIN_FIELDS = {
     'kind': None, 'target': None, 'dtype': None, 'workdir': None, 'init_from': None,
     'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
-                'feature_layers', 'rope_base', 'norm_eps', 'head_vocab'},
+                'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab',
+                'mask_token_id'},
     'data': {'source', 'path', 'tfds_dir', 'tfds_name', 'tfds_split', 'text_field', 'prefetch',
              'seq_len', 'eval_fraction', 'features_dir', 'corpus_path', 'corpus_windows'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
@@ -62,3 +63,16 @@ def check_fields(config, schema: dict, what: str) -> None:
       lines.append(f'{name}' + (f' (did you mean {close[0]}?)' if close else ''))
     raise ValueError(f'unknown {what} config field(s): {"; ".join(lines)}. Remove or rename '
                      'them; the documented fields are in configs/')
+
+
+def closest(name: str, schema: dict) -> str | None:
+  """The known field a wrong dotted `name` most likely means: the same name in another group
+  (`gamma` -> `spec.gamma`), else the closest spelling; None when nothing is close."""
+  known = [k for k, v in schema.items() if not isinstance(v, set)] + [
+      f'{k}.{s}' for k, v in schema.items() if isinstance(v, set) for s in sorted(v)]
+  leaf = name.split('.')[-1]
+  same = [k for k in known if k.split('.')[-1] == leaf and k != name]
+  if same:
+    return same[0]
+  close = difflib.get_close_matches(name, known, n=1)
+  return close[0] if close else None

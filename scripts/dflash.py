@@ -1,7 +1,7 @@
 """DFlash drafter folders (z-lab/*-DFlash) to our checkpoint format and back:
 
   python scripts/dflash.py import HF_FOLDER OUT --target TARGET   # -> an Orbax drafter
-  python scripts/dflash.py export DRAFTER HF_FOLDER --target TARGET
+  python scripts/dflash.py export DRAFTER HF_FOLDER [--target TARGET]   # default: the recorded one
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 
 from d2sd_jax import cli
 from d2sd_jax.formats import dflash_format
+from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.formats import loaders
 
 
@@ -30,21 +31,23 @@ def main():
                    '(default: the token it already is)')
   exp.add_argument('--full-head', action='store_true',
                    help='export a head_vocab drafter with the whole vocabulary head')
+  imp.add_argument('--target', required=True, help='the target the drafter is for: smollm2, a '
+                   '.gguf file or a Hugging Face folder')
+  exp.add_argument('--target', default=None, help='the target the drafter is for: smollm2, a '
+                   '.gguf file or a Hugging Face folder (default: the one it records)')
   for p in (imp, exp):
-    p.add_argument('--target', required=True,
-                   help='the target the drafter is for: smollm2, a .gguf file or a Hugging Face '
-                   'folder')
     p.add_argument('--dtype', default=None, choices=['float32', 'bfloat16'],
                    help='tensor dtype written (default: as stored)')
   args = parser.parse_args()
-  target = loaders.load_target(args.target)
   if args.command == 'import':
+    target = loaders.load_target(args.target)
     dcfg = dflash_format.import_drafter(args.folder, args.out, target, args.target, args.dtype)
     print(json.dumps({'imported': args.out, 'gamma': dcfg.gamma,
                       'feature_layers': list(dcfg.feature_layers)}))
   else:
+    source, target = drafter_formats.recorded_target(args.drafter, args.target)
     info = dflash_format.export_drafter(args.drafter, args.out, target, args.mask_token_id,
-                                        args.full_head, args.dtype, args.target)
+                                        args.full_head, args.dtype, source)
     print(json.dumps({'exported': args.out, **info}))
 
 

@@ -14,6 +14,7 @@ def main(argv):
   from absl import flags  # pylint: disable=import-outside-toplevel
   del argv
   config = flags.FLAGS.config
+  config.target = flags.FLAGS.target  # (the drafter follows this target: width, feature layers)
   data, model = (int(x) for x in flags.FLAGS.mesh.split('x'))
   tcfg = memory.target_config(flags.FLAGS.target, config.get('dtype', 'float32'))
   parts = memory.training_memory(config, tcfg, data, model)

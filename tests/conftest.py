@@ -115,17 +115,17 @@ def tiny_folder(tmp_path_factory):
   return str(folder)
 
 
-def write_fake_distill(path) -> str:
-  """Fake distillation shards: repetitive responses a drafter can learn quickly."""
+def write_fake_distill(path, vocab: int = 90) -> str:
+  """Fake distillation shards: repetitive responses a drafter can learn quickly (ids < vocab)."""
   os.makedirs(path, exist_ok=True)
   rng = np.random.default_rng(0)
   for shard in range(2):
     lines = []
     for i in range(12):
-      motif = rng.integers(0, 90, 5).tolist()
+      motif = rng.integers(0, vocab, 5).tolist()
       lines.append(json.dumps({'id': f'{shard}-{i}', 'style': 'complete_plain', 'prompt': 'p',
                                'chat': False, 'source': 'fake',
-                               'prompt_ids': rng.integers(0, 90, 9).tolist(),
+                               'prompt_ids': rng.integers(0, vocab, 9).tolist(),
                                'response_ids': (motif * 8)[:30 + i]}))
     with gzip.open(os.path.join(path, f'shard-{shard:05d}.jsonl.gz'), 'wt') as f:
       f.write('\n'.join(lines) + '\n')

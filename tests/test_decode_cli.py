@@ -116,7 +116,10 @@ def test_unknown_decode_fields_are_named(tiny_folder):
 
 
 @pytest.mark.parametrize('flags,message', [
-    (['--config.temprature=0.5'], 'Did you mean "temperature"'),  # refused by the flag parser
+    # refused by the flag parser; named with the flag and the field meant (config_check)
+    (['--config.temprature=0.5'], '--config.temprature=0.5: the config has no field '
+                                  'temprature (did you mean --config.temperature?)'),
+    (['--config.gamma=16'], 'no field gamma (did you mean --config.spec.gamma?)'),
     (['--config.temperature=-1'], 'temperature=-1.0 must be >= 0'),  # ValueError
     (['--config.prompts_file=/no/such.jsonl'], "prompts_file '/no/such.jsonl' not found"),
     # A JSON object is a plain string to the flag parser: read, then refused by decode.py.
@@ -157,13 +160,14 @@ def test_config_is_the_library_defaults():
            if f.name in config_check.SPEC_KNOBS}
   assert set(knobs) == set(speculative.SpecSettings.__dataclass_fields__) - set(
       config_check.NOT_KNOBS)
-  assert config.spec.to_dict() == knobs
+  # gamma: None, drafter 1's block unless set (options_lib.spec_fields, shared with the notebook)
+  assert config.spec.to_dict() == {**knobs, 'gamma': None}
   assert set(options_lib.DECODE_FIELDS['spec']) == set(knobs)
   for f in dataclasses.fields(options_lib.Options):
     if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
       assert config[f.name] == f.default, f.name
   assert options_lib.options_from_config(config) == options_lib.Options(
-      method=config.method, spec=knobs)
+      method=config.method, spec={**knobs, 'gamma': None})
 
 
 def test_methods_are_read_from_the_registry_at_call_time(tiny_folder, monkeypatch):
@@ -284,3 +288,29 @@ def test_speculative_batches_of_different_prompt_widths(tiny_folder, tmp_path):
     assert 'stage_ms' not in stats  # only on request (config.stage_times)
     ids[method] = [json.loads(line)['completion_ids'] for line in out.read_text().splitlines()]
   assert ids['pld'] == ids['ar'] and len(ids['ar']) == 2
+
+
+def test_drafters_of_another_target_auto_leaves_out_or_the_error_names_the_flags(tiny_folder,
+                                                                                 tmp_path):
+  """The default command with another target: auto leaves out the shipped (SmolLM2) drafters
+  and says so; drafters the user named that do not fit are an error naming the flags to fix."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  target = loaders.load_target(tiny_folder)
+  config = smollm2_config.get_config()  # method auto, the shipped drafters
+  config.target = tiny_folder
+  options = options_lib.validate(config)
+  wanted, note = generate_lib._drafters_for(target, config, options, ['drafter1', 'drafter2'])
+  assert wanted == [] and note.startswith(
+      "the shipped drafters are for 'smollm2', not this target, so auto weighs the methods that "
+      'need none (ar, pld)')
+  mine = str(tmp_path / 'mine')
+  shutil.copytree(os.path.join(ROOT, 'drafters', 'smollm2-drafter1'), mine)
+  for method in ('auto', 'dflash'):
+    config.update(drafter1=mine, method=method)
+    with pytest.raises(ValueError, match=(
+        rf"--config.drafter1={mine}: checkpoint .* was trained for target 'smollm2' .*Give "
+        r'drafters for this target \(--config.drafter1=PATH --config.drafter2=PATH\) or decode '
+        r'without them \(--config.method=pld\)')):
+      generate_lib._drafters_for(target, config, options_lib.validate(config), ['drafter1'])
+  config.update(drafter1='', drafter2='', method='pld')  # nothing to leave out
+  assert generate_lib._drafters_for(target, config, options_lib.validate(config), []) == ([], '')

@@ -191,6 +191,15 @@ def test_decode_path_takes_the_dflash_folder(tmp_path):
       method=m, max_new_tokens=24, chat=False)) for m in ('ar', 'dflash')}
   assert runs['dflash'][0][0]['completion_ids'] == runs['ar'][0][0]['completion_ids']
   assert runs['dflash'][1]['gamma'] == 6 and runs['dflash'][1]['tau'] > 1
+  # decode.py's config leaves spec.gamma unset: the drafter's block, as in the notebook API
+  import io  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs'))
+  import smollm2 as smollm2_config  # pylint: disable=import-outside-toplevel
+  config = smollm2_config.get_config()
+  config.update(target=str(folder), method='dflash', drafter1=DRAFTER_DIR, drafter2='',
+                prompt='HELLO, WORLD', chat=False, max_new_tokens=24)
+  stats = generate_lib.run(config, out=io.StringIO())
+  assert stats['gamma'] == 6 and stats['tau'] == runs['dflash'][1]['tau']
 
 
 # ----------------------------------------------------------------------------------------------

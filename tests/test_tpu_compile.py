@@ -211,3 +211,27 @@ def test_budgeted_trees_compile_at_the_measured_budget():
   for method in ('ddtree', 'd2sd_tree'):
     assert C.spec_settings(method, gen, dcfgs).tree_size == C.TREE_BUDGET == 16
   assert C.spec_settings('d2sd', gen, dcfgs).tree_size == 8 + 4 * 7  # chain + K branches
+
+
+def test_speedups_at_the_paper_tau_only_for_its_gamma_and_a_train_header_without_decode():
+  """tpu_compile.py quotes speed-ups at the paper's tau (gamma-16 drafters) for gamma-16 drafters
+  only; with --train alone (no decode method) its header names no drafters nor context."""
+  rows = [{'method': m, 'name': 'step', 'compiled': True, 'estimate_s': s}
+          for m, s in (('ar', 1.0), ('dflash', 2.0))]
+  d16 = costmodel.paper_drafter(costmodel.TARGETS['qwen3-8b'])
+  quoted, why = C.paper_speedups(rows, {'drafter1': d16})
+  assert not why and quoted['dflash']['speedup'] == pytest.approx(C.PAPER_TAU['dflash'] / 2)
+  quoted, why = C.paper_speedups(rows, {'drafter1': dataclasses.replace(d16, gamma=8)})
+  assert quoted == {} and why == ("no speed-up quoted: the paper's tau is for gamma=16 drafters, "
+                                  'these have gamma=8')
+  result = {'topology': 'v5e:2x2', 'device_kind': 'TPU v5 lite', 'n_devices': 4,
+            'hbm_bytes_per_device': 16 * C.GiB, 'mesh': {'data': 1, 'model': 4},
+            'target': 'T', 'drafters': 'paper', 'batch': 1, 'context': 1024, 'methods': [],
+            'weights_bytes_per_device': 0, 'kv_bytes_per_device': 0, 'programs': [],
+            'speedups': {}}
+  code = ('import json, sys; sys.path.insert(0, "benchmarks"); import tpu_compile; '
+          f'print(tpu_compile.table(json.loads({json.dumps(json.dumps(result))})))')
+  proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, check=True)
+  header = proc.stdout.splitlines()[0]
+  assert header == 'v5e:2x2 (TPU v5 lite, 4 devices, 16 GiB each), target T', proc.stdout

@@ -36,7 +36,8 @@ def tiny_config(target, data, workdir, kind='drafter1', steps=6):
   c = drafter1_config.get_config()
   c.kind, c.target, c.workdir = kind, target, workdir
   c.drafter.update(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                   feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6, head_vocab=48)
+                   feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6, head_vocab=48,
+                   qk_norm=False)
   c.data.update(path=data, seq_len=24, eval_fraction=0.2)
   c.train.update(batch_size=3, anchors_per_seq=6, steps=steps, lr=1e-2, warmup=2)
   c.update(log_every=1, eval_every=3, save_every=3, keep=5, progress_bar=False)
@@ -261,7 +262,8 @@ def test_head_vocab_and_init_from(tiny_folder, distill_dir, tmp_path):
     np.testing.assert_array_equal(x, y)
   c = tiny_config(tiny_folder, distill_dir, str(tmp_path / 'd3'), 'drafter2', steps=1)
   c.init_from, c.drafter.d_ff = d1, 64
-  with pytest.raises(ValueError, match=r"init_from=.*different drafter architecture.*d_ff"):
+  with pytest.raises(ValueError, match=r"drafter.d_ff=64 but init_from=.* has 48: init_from sets "
+                                       r"the whole drafter architecture"):
     training.run(c)
 
 
@@ -476,7 +478,7 @@ def test_the_readme_pod_recipe_is_valid_and_fits_a_v5e_chip():
     node[last] = value
   training.validate(c)
   tcfg = costmodel.TARGETS['qwen3-8b']
-  training.drafter_config(c).check_target(tcfg)
+  training.drafter_config(c, tcfg).check_target(tcfg)
   assert c.train.batch_size % (4 * c.train.grad_accum) == 0
   total = sum(memory.training_memory(c, tcfg, 4, 8).values())
   assert total < 8 * memory.GiB, total / memory.GiB

@@ -133,10 +133,11 @@ def chosen_options(options, record: dict):
 
 
 def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
-           log=print):
+           log=print, note: str = ''):
   """(the Options to decode with, auto stats) for an Options whose method is 'auto': the
   remembered choice for this key (unless auto_refresh or auto_probe), else the prediction from
-  the drafters' prior (unless auto_probe), else a probe of every candidate; remembered."""
+  the drafters' prior (unless auto_probe), else a probe of every candidate; remembered.
+  `note` ends the one line that says what auto chose (why drafters were left out)."""
   started = time.perf_counter()
   longest = options_lib.width(prompt_ids, options)
   path = os.path.join(choice_dir(), remembered_key(target, drafters, options, batch, longest)
@@ -154,7 +155,7 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
   if source != 'remembered':
     files.write_json(path, record)
   chosen = chosen_options(options, record)
-  reason = explain(record, source)
+  reason = explain(record, source) + (f'; {note}' if note else '')
   log(reason)
   return chosen, {'auto_choice': record['auto_choice'],
                   'predicted_tokens_per_s': record['predicted_tokens_per_s'],

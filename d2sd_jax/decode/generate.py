@@ -20,6 +20,8 @@ from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.decode.options import Options
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import sharding
+from d2sd_jax.formats import checkpoints
+from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.formats.drafters import load_drafter
 from d2sd_jax.spec_decode import drafting
 
@@ -31,11 +33,12 @@ def tokenizer_of(target: loaders.Target):
 
 
 def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], options: Options,
-             runners: dict | None = None) -> tuple[list[dict], dict]:
+             runners: dict | None = None, auto_note: str = '') -> tuple[list[dict], dict]:
   """Completes each prompt: the one path of decode.py and Decoder.generate.
 
   drafters: {'drafter1': (DrafterConfig, params), ...} (those the method needs, at least);
-  runners: a dict keeping compiled programs across calls (a Decoder's), or None.
+  runners: a dict keeping compiled programs across calls (a Decoder's), or None; auto_note:
+  said in method='auto''s line (why some drafters were left out).
   Returns (one {'prompt', 'completion', 'completion_ids'} per prompt, stats)."""
   options_lib.check(options, drafters)
   prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -52,7 +55,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   if options.method == 'auto':
     # (its progress lines go to stderr: stdout carries the completions and the stats line)
     options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
-                                            log=lambda line: print(line, file=sys.stderr))
+                                            log=lambda line: print(line, file=sys.stderr),
+                                            note=auto_note)
   runners = {} if runners is None else runners
   # A choice from a prior (not from probes of these prompts) learns from every batch it decodes
   # and may move to another candidate for the next batch (autoconfig.learn).
@@ -180,6 +184,33 @@ def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict
   return runners[key]
 
 
+def _drafters_for(target, config, options, wanted) -> tuple[list[str], str]:
+  """(the drafters to load, a note for auto's line). Drafters not made for the target: with
+  method='auto' and the shipped drafters (the config's defaults), auto weighs the methods that
+  need none; otherwise an error naming the flags that fix it."""
+  misfit = {n: m for n in wanted if (m := drafter_formats.target_mismatch(config[n], target))}
+  if not misfit:
+    return list(wanted), ''
+  if options.method == 'auto' and all(drafter_formats.is_shipped(config[n]) for n in misfit):
+    # (drafter 2 alone drafts nothing: it goes with drafter 1)
+    kept = [] if 'drafter1' in misfit else [n for n in wanted if n not in misfit]
+    made_for = ', '.join(sorted({_recorded_target(config[n]) for n in misfit}))
+    return kept, (f'the shipped drafters are for {made_for}, not this target, so auto weighs '
+                  + ('the methods that need none (ar, pld)' if not kept else 'no drafter 2') +
+                  '; to train drafters for it: docs/training.md, "Your own target"')
+  name, why = next(iter(misfit.items()))
+  raise ValueError(f'--config.{name}={config[name]}: {why}. Give drafters for this target '
+                   '(--config.drafter1=PATH --config.drafter2=PATH) or decode without them '
+                   '(--config.method=pld)')
+
+
+def _recorded_target(path: str) -> str:
+  try:
+    return repr(checkpoints.read_drafter_config(checkpoints.resolve_path(path))[1].get('target'))
+  except (OSError, ValueError):
+    return 'another target'
+
+
 def run(config: ml_collections.ConfigDict, out=sys.stdout) -> dict:
   """decode.py: checks, loads the target and the method's drafters, generates, reports."""
   options = options_lib.validate(config)
@@ -197,11 +228,12 @@ def _generate(config, options, prompts, mesh, out) -> dict:
   drafters = {}
   wanted = ([n for n in options_lib.DRAFTERS if config.get(n)] if options.method == 'auto' else
             options_lib.drafters_needed(options.method))
+  wanted, auto_note = _drafters_for(target, config, options, wanted)
   for name in wanted:
     dcfg, dparams, _ = load_drafter(config[name], target, config.dtype,
                                          mesh if split else None)
     drafters[name] = (dcfg, dparams)
-  completions, stats = generate(target, drafters, prompts, options)
+  completions, stats = generate(target, drafters, prompts, options, auto_note=auto_note)
   for i, row in enumerate(completions):
     print(f'=== [{i}] {row["prompt"]!r}\n{row["completion"]}', file=out)
   if config.output:

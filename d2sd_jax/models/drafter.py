@@ -113,10 +113,13 @@ def choose_head_ids(response_counts_V, prompt_counts_V, n: int) -> jax.Array:
   return jnp.sort(order[:n]).astype(jnp.int32)
 
 
-def split_fixed(dparams: dict) -> tuple[dict, dict]:
-  """(trainable, fixed) parts of drafter parameters: head_ids is data, not a weight."""
-  fixed = {k: v for k, v in dparams.items() if k == 'head_ids'}
-  return {k: v for k, v in dparams.items() if k != 'head_ids'}, fixed
+def split_fixed(dparams: dict, frozen: tuple[str, ...] = ()) -> tuple[dict, dict]:
+  """(trainable, fixed) parts of drafter parameters: head_ids is data, not a weight; `frozen`
+  names more top-level parameters kept as they are (a DFlash drafter's mask_embed: the
+  target's embedding of its mask token, which its export names)."""
+  keep = ('head_ids',) + tuple(frozen)
+  fixed = {k: v for k, v in dparams.items() if k in keep}
+  return {k: v for k, v in dparams.items() if k not in keep}, fixed
 
 
 def for_decoding(dparams: dict, tparams: dict, tcfg: model_lib.ModelConfig) -> dict:

@@ -91,6 +91,7 @@ TPU_CHIPS = {  # by jax's device_kind
 }
 
 PAPER_TAU = {'dflash': 5.31, 'd2sd': 7.05}  # D2SD paper, Qwen3-8B, mean of 8 benchmarks, T = 0
+PAPER_GAMMA = 16  # the block of the drafters PAPER_TAU was measured with
 PAPER_SPEEDUP_H200 = {'dflash': 4.16, 'd2sd': 4.98}  # the same runs' speed-ups on an H200
 
 
@@ -286,7 +287,7 @@ def train_program(config, tcfg, mesh, train_lib) -> Program:
   the target in config.dtype, the float32 drafter and its Adam state on the rules' shardings,
   the batch split over 'data'. `train_lib`: d2sd_jax.train.training (passed in: perf/ does not
   import train/)."""
-  dcfg = train_lib.drafter_config(config)
+  dcfg = train_lib.drafter_config(config, tcfg)
   dcfg.check_target(tcfg)
   opt = train_lib.optimizer(config)
   step, _ = train_lib.make_train_step(config, tcfg, dcfg, opt)
@@ -591,6 +592,16 @@ def speedups(programs: list[dict], tau: dict) -> dict:
       out[method] = {'tau': t, 'cycle_over_ar': cycle / ar_s, 'speedup': t * ar_s / cycle,
                      'paper_h200': PAPER_SPEEDUP_H200.get(method)}
   return out
+
+
+def paper_speedups(programs: list[dict], dcfgs: dict) -> tuple[dict, str]:
+  """(`speedups` at the paper's tau, '') for drafters of the paper's gamma; ({}, why not) for
+  others: the paper's tau says nothing of a drafter with another block."""
+  gammas = sorted({d.gamma for d in dcfgs.values()})
+  if gammas in ([], [PAPER_GAMMA]):
+    return speedups(programs, PAPER_TAU), ''
+  return {}, (f"no speed-up quoted: the paper's tau is for gamma={PAPER_GAMMA} drafters, these "
+              f"have gamma={','.join(map(str, gammas))}")
 
 
 def mesh_of(devices, spec: str):

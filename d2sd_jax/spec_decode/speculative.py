@@ -65,7 +65,9 @@ class SpecSettings:
         raise ValueError(f'method {self.method!r} needs {name}: configure its checkpoint')
       if dcfg.gamma != self.gamma:
         raise ValueError(f'{name} was built for gamma={dcfg.gamma}, the decode config says '
-                         f'gamma={self.gamma}: set gamma={dcfg.gamma}')
+                         f'gamma={self.gamma}: set gamma={dcfg.gamma} (decode.py: '
+                         f'--config.spec.gamma={dcfg.gamma}), or leave it unset to follow the '
+                         'drafter')
     if method.branched and not 1 <= self.n_branches <= self.gamma - 1:
       raise ValueError(f'n_branches={self.n_branches} must be in 1..gamma-1={self.gamma - 1}')
     if self.steps < 1:

@@ -69,7 +69,7 @@ def target_config(target: str, dtype: str) -> model_lib.ModelConfig:
 def training_memory(config, tcfg: model_lib.ModelConfig, data: int, model: int) -> dict:
   """{component: bytes per chip} for train.py with `config` on a data x model mesh."""
   mesh = _MeshShape(data, model)
-  dcfg = training.drafter_config(config)
+  dcfg = training.drafter_config(config, tcfg)
   key = jax.random.PRNGKey(0)
   tparams = jax.eval_shape(lambda: model_lib.init_params(tcfg, key))
   dparams = jax.eval_shape(lambda: drafter_lib.init_params(dcfg, tcfg, key))

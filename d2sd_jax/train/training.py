@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -40,18 +40,28 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.train import losses
 from d2sd_jax.models import sharding
 from d2sd_jax.models import xla_options
+from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.formats.drafters import load_drafter
+from d2sd_jax.train import architecture
+from d2sd_jax.train import run_log
 
 KINDS = ('drafter1', 'drafter2')
 
 
-def drafter_config(config) -> drafter_lib.DrafterConfig:
-  d = config.drafter
-  return drafter_lib.DrafterConfig(
-      gamma=d.gamma, n_layers=d.n_layers, d_model=d.d_model, n_heads=d.n_heads,
-      n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, d_ff=d.d_ff,
-      feature_layers=tuple(d.feature_layers), rope_base=d.rope_base, norm_eps=d.norm_eps,
-      head_vocab=d.get('head_vocab', 0))
+def drafter_config(config, tcfg=None) -> drafter_lib.DrafterConfig:
+  """The run's drafter architecture (`architecture.resolve`): the drafter.* fields set, else
+  init_from's, else what follows from the target (config `tcfg`)."""
+  source = None
+  if config.get('init_from'):
+    try:
+      source = drafter_formats.drafter_config(config.init_from)
+    except (OSError, ValueError) as e:
+      raise type(e)(f'init_from={config.init_from!r}: {e}') from e
+  dcfg = architecture.resolve(config.drafter, tcfg, config.get('target', ''), source,
+                              config.get('init_from', ''))
+  if config.data.seq_len <= dcfg.gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={dcfg.gamma}')
+  return dcfg
 
 
 def validate(config) -> None:
@@ -67,9 +77,9 @@ def validate(config) -> None:
     raise ValueError(f'data.source={config.data.source!r}: use one of {data_lib.SOURCES}')
   if config.data.get('prefetch', 0) < 0:
     raise ValueError(f'data.prefetch={config.data.prefetch} must be >= 0')
-  if config.data.seq_len <= config.drafter.gamma:
-    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma='
-                     f'{config.drafter.gamma}')
+  gamma = config.drafter.get('gamma')
+  if gamma is not None and config.data.seq_len <= gamma:
+    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={gamma}')
   if not 0.0 < config.loss.beta < 1.0:
     raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
   prior = config.loss.get('prefix_prior', '')
@@ -109,7 +119,13 @@ def validate(config) -> None:
                       ('train.compute_dtype', t.get('compute_dtype', 'float32'))):
     if value not in ('float32', 'bfloat16'):
       raise ValueError(f"{name}={value!r}: use 'float32' or 'bfloat16'")
-  drafter_config(config)  # the drafter's own checks (sizes, heads, head_vocab)
+  given = architecture.given(config.drafter)
+  if len(given) == len(architecture.FIELDS):  # all set: the drafter's own checks, now
+    drafter_lib.DrafterConfig(**given)
+  if t.warmup >= t.steps:
+    print(f'warning: train.warmup={t.warmup} >= train.steps={t.steps}: the learning rate never '
+          f'reaches train.lr={t.lr}; set --config.train.warmup={max(1, t.steps // 10)} (a tenth '
+          'of the steps)', file=sys.stderr, flush=True)
 
 
 def optimizer(config):
@@ -180,7 +196,7 @@ def at_chain_cuts(blocks, chain, tparams, tcfg, feats, tokens, label_mask, label
 
 
 def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = None,
-                    chain=None):
+                    frozen: tuple[str, ...] = (), chain=None):
   """Jitted (train_step, eval_step). Both take `feats` (precomputed target features, any
   float dtype) or None, in which case the frozen target computes them inside the step.
 
@@ -190,9 +206,9 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   batch into k micro-batches (a scan: activations of one at a time) whose summed gradients,
   divided by the batch's total loss weight, equal the whole batch's. train.remat recomputes each
   drafter layer in the backward pass instead of storing its activations. compiler_options: the
-  platform's (models/xla_options.py), for the devices of the run's mesh. chain: (config,
-  params) of the drafter 1 whose first rejections place drafter 2's blocks (loss.cuts_from,
-  at_chain_cuts), or None."""
+  platform's (models/xla_options.py), for the devices of the run's mesh. frozen: parameters
+  kept as they are (`drafter.split_fixed`). chain: (config, params) of the drafter 1 whose
+  first rejections place drafter 2's blocks (loss.cuts_from, at_chain_cuts), or None."""
   t = config.train
   compute = t.get('compute_dtype', 'float32')
   accum, remat = t.get('grad_accum', 1), t.get('remat', False)
@@ -249,7 +265,7 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   def train_step(dparams, opt_state, tparams, tokens, label_mask, key, feats=None, targets=None,
                  chain_params=None):
     targets = targets or {}
-    trainable, fixed = drafter_lib.split_fixed(dparams)
+    trainable, fixed = drafter_lib.split_fixed(dparams, frozen)
     blocks, feats = blocks_for(key, tparams, tokens, label_mask, targets, feats, chain_params,
                                False)
     if accum == 1:
@@ -265,7 +281,7 @@ def make_train_step(config, tcfg, dcfg, opt, compiler_options: dict | None = Non
   def eval_step(dparams, tparams, tokens, label_mask, key, feats=None, targets=None,
                 chain_params=None):
     targets = targets or {}
-    trainable, fixed = drafter_lib.split_fixed(dparams)
+    trainable, fixed = drafter_lib.split_fixed(dparams, frozen)
     blocks, feats = blocks_for(key, tparams, tokens, label_mask, targets, feats, chain_params,
                                True)
     return loss_fn(trainable, fixed, tparams, tokens, label_mask, targets, blocks, feats,
@@ -320,25 +336,46 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   # The frozen target in config.dtype, each tensor straight onto its sharding (an 8B target in
   # bfloat16 never exists whole in float32, nor on one device).
   target = loaders.load_target(config.target, config.get('dtype', 'float32'), mesh)
-  dcfg = drafter_config(config)
+  misfit = config.get('init_from') and drafter_formats.target_mismatch(config.init_from, target)
+  if misfit:  # (before its architecture is taken: its feature layers may not fit this target)
+    raise ValueError(f'init_from={config.init_from!r}: {misfit}. Set --config.init_from to a '
+                     'drafter for this target (drafter 2: your drafter 1\'s workdir), or to \'\'')
+  dcfg = drafter_config(config, target.cfg)
   dcfg.check_target(target.cfg)
+  # A mask embedding that is the target's embedding of a token (a DFlash drafter's, or
+  # drafter.mask_token_id) stays so: what the DFlash format stores, so that it exports.
+  mask_token = architecture.mask_token(
+      config.drafter, target.cfg.vocab_size,
+      drafter_formats.mask_token_id(config.init_from) if config.get('init_from') else None,
+      config.get('init_from', ''))
+  frozen = ('mask_embed',) if mask_token is not None else ()
+  if chief:
+    print(f'drafter: {architecture.describe(dcfg)}' + (
+        f' (from {config.init_from})' if config.get('init_from') else ''), flush=True)
   # Every record is checked here, before training: a malformed one names its file and line.
   soft_k = config.loss.get('soft_k', 8) if config.loss.get('soft', 0.0) else 0
   data = data_lib.from_config(config.data, target.tokenizer, target.cfg.vocab_size, soft_k)
   opt = optimizer(config)
   train_step, eval_step = make_train_step(
       config, target.cfg, dcfg, opt, xla_options.for_platform(mesh.devices.flat[0].platform),
-      chain_drafter(config, target, dcfg, mesh))
+      frozen, chain_drafter(config, target, dcfg, mesh))
 
   workdir = os.path.abspath(config.workdir)
   manager = ckpt.manager(os.path.join(workdir, 'checkpoints'), keep=config.keep)
-  meta = ckpt.checkpoint_metadata(config.kind, config.target, target, dcfg)
+  # (a target folder by its absolute path: export_drafter.py finds it from anywhere)
+  recorded = (os.path.abspath(config.target) if os.path.exists(config.target) else
+              config.target)
+  meta = ckpt.checkpoint_metadata(config.kind, recorded, target, dcfg)
+  if mask_token is not None:
+    meta['dflash'] = {'mask_token_id': mask_token}
   dparams = drafter_lib.init_params(dcfg, target.cfg, jax.random.PRNGKey(config.train.seed))
+  if mask_token is not None:
+    dparams['mask_embed'] = jnp.asarray(target.params['embed'][mask_token], jnp.float32)
   if dcfg.head_vocab:
     dparams['head_ids'] = drafter_lib.choose_head_ids(
         *data.token_counts(target.cfg.vocab_size, target.tokenizer.pad_id), dcfg.head_vocab)
   dparams = jax.device_put(dparams, sharding.drafter_shardings(mesh, dparams))
-  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p)[0]))  # follows p's sharding
+  init_opt = jax.jit(lambda p: opt.init(drafter_lib.split_fixed(p, frozen)[0]))  # p's sharding
   rows = sharding.process_rows(config.train.batch_size)
   train_batches = grain_data.iterator(
       grain_data.batches(data, 'train', config.train.batch_size, config.train.seed, rows,
@@ -347,11 +384,10 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
+    saved_meta = _same_architecture(manager, start, target, dcfg, workdir)
     opt_state = init_opt(dparams)
     items = ckpt.restore(manager, start, target, {'params': dparams, 'opt_state': opt_state})
     dparams, opt_state = items['params'], items['opt_state']
-    saved_meta = manager.restore(start, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))['meta']
     if 'confidence_temperature' in saved_meta:
       meta['confidence_temperature'] = saved_meta['confidence_temperature']
     data_from = grain_data.restore(manager, start, train_batches)
@@ -395,7 +431,7 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
         meta=ocp.args.JsonSave(meta), **{grain_data.ITEM: grain_data.checkpoint_save(
             train_batches)}), force=True)
 
-  log = MetricsLog(workdir, enabled=chief)
+  log = run_log.MetricsLog(workdir, enabled=chief)
   key0 = jax.random.PRNGKey(config.train.seed)
   B, L = config.train.batch_size, config.data.seq_len
   last = {}
@@ -421,6 +457,9 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
                 'acc_by_pos': [round(float(a), 4) for a in metrics['acc_by_pos']],
                 'tokens_per_s': round(tokens_done / (time.time() - t0), 1)}
         bar.set_postfix(loss=f'{loss:.3f}', acc1=f'{last["acc_by_pos"][1]:.3f}')
+        if chief and not config.progress_bar:  # (no bar: a line per log_every steps)
+          print(f'step {done}/{config.train.steps}: loss {loss:.4f}, acc1 '
+                f'{last["acc_by_pos"][1]:.3f}, {last["tokens_per_s"]:.0f} tokens/s', flush=True)
         log.write(done, last, {'train/loss': loss, 'train/grad_norm': last['grad_norm'],
                                'train/acc_pos1': last['acc_by_pos'][1],
                                'train/tokens_per_s': last['tokens_per_s']})
@@ -445,31 +484,27 @@ def _train(config: ml_collections.ConfigDict, mesh, on_step) -> dict:
         break
   manager.wait_until_finished()
   log.close()
+  if chief and 'stopped_by' not in last:
+    print(run_log.next_steps(config, os.path.join(manager.directory,
+                                                  str(manager.latest_step())),
+                             dflash=mask_token is not None), flush=True)
   last['params'] = dparams
   return last
 
 
-class MetricsLog:
-  """Metrics as JSON lines (metrics.jsonl) and TensorBoard event files (tb/) in the workdir."""
-
-  def __init__(self, workdir: str, enabled: bool = True):
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-    self.enabled = enabled
-    self.path = os.path.join(workdir, 'metrics.jsonl')
-    self.tb = SummaryWriter(os.path.join(workdir, 'tb')) if enabled else None
-
-  def write(self, step: int, record: dict, scalars: dict):
-    if not self.enabled:
-      return
-    with open(self.path, 'a') as f:
-      f.write(json.dumps(record) + '\n')
-    for name, value in scalars.items():
-      self.tb.add_scalar(name, value, step)
-    self.tb.flush()
-
-  def close(self):
-    if self.tb is not None:
-      self.tb.close()
+def _same_architecture(manager, step: int, target, dcfg, workdir: str) -> dict:
+  """The metadata of the workdir's checkpoint `step`, after checking that it was made for this
+  target and this drafter architecture (a changed config is not a damaged checkpoint)."""
+  try:
+    saved = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception:  # pylint: disable=broad-except
+    return {}  # unreadable: ckpt.restore says so
+  ckpt.check_metadata(saved, target, os.path.join(manager.directory, str(step)))
+  diff = architecture.changed(saved.get('drafter') or {}, dcfg)
+  if diff:
+    raise ValueError(f'workdir {workdir} holds a drafter of another architecture: the config '
+                     f'changed ({"; ".join(diff)}): use another workdir, or the old values')
+  return saved
 
 
 def chain_drafter(config, target, dcfg, mesh):
@@ -489,15 +524,15 @@ def chain_drafter(config, target, dcfg, mesh):
 
 
 def initial_params(path: str, target, dcfg, dparams: dict) -> dict:
-  """Parameters of another drafter (e.g. drafter 1 to start drafter 2) as this run's start;
-  the architecture must match."""
+  """Parameters of another drafter (e.g. drafter 1 to start drafter 2, or a DFlash folder) as
+  this run's start; the architecture must match (`drafter_config` takes it from there)."""
   src_cfg, src, _ = load_drafter(path, target)
-  mismatch = [f for f in ('gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim',
-                          'd_ff', 'feature_layers', 'head_vocab')
-              if getattr(src_cfg, f) != getattr(dcfg, f)]
+  mismatch = [f'{f}: {getattr(src_cfg, f)!r} there, {getattr(dcfg, f)!r} here'
+              for f in architecture.FIELDS if getattr(src_cfg, f) != getattr(dcfg, f)]
   if mismatch:
-    raise ValueError(f'init_from={path!r} has a different drafter architecture ({mismatch}): '
-                     'set the same drafter.* fields or drop init_from')
+    raise ValueError(f'init_from={path!r} has a different drafter architecture '
+                     f'({"; ".join(mismatch)}): drop the drafter.* flags that differ, or drop '
+                     'init_from')
   print(f'initialised from {path}', flush=True)
   return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), src, dparams)
 
