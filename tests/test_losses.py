@@ -1,4 +1,4 @@
-"""Drafter 2's training recipe (train/losses.py, training.sample_blocks / at_chain_cuts): the
+"""Drafter 2's training recipe (train/losses.py, train/blocks.py): the
 reference's prefix prior and loss normalisation, distinct anchors, and blocks placed at drafter
 1's first rejection with the rejected token forbidden."""
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 from d2sd_jax.models import drafter as D
 from d2sd_jax.models import target as M
-from d2sd_jax.train import losses, training
+from d2sd_jax.train import blocks, losses, training
 import test_training
 
 DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=24, n_heads=4, n_kv_heads=2, head_dim=6,
@@ -163,9 +163,9 @@ def test_blocks_at_chain_cuts_take_the_cut_as_prefix_and_drop_accepted_chains(se
   c = test_training.tiny_config('unused', 'unused', 'unused', 'drafter2')
   c.loss.update(tau=3.0, block_norm=False)
   anchors = jnp.array([[1, 5, 8], [2, 6, 9]], jnp.int32)
-  blocks = (anchors, None, jnp.ones((2, 3, G)).at[1, 2].set(0.0), None, None)
-  _, prefix, weights, reveal, forbid = training.at_chain_cuts(
-      blocks, (DCFG, dparams), tparams, tcfg, feats, seq, jnp.ones(seq.shape, bool), None, c,
+  drawn = (anchors, None, jnp.ones((2, 3, G)).at[1, 2].set(0.0), None, None)
+  _, prefix, weights, reveal, forbid = blocks.at_chain_cuts(
+      drawn, (DCFG, dparams), tparams, tcfg, feats, seq, jnp.ones(seq.shape, bool), None, c,
       jax.random.PRNGKey(0))
   np.testing.assert_array_equal(prefix, jnp.minimum(cut, G - 2))
   raw = np.asarray(losses.vp_weights(jnp.minimum(cut, G - 2).reshape(-1), G, 3.0, False))

@@ -35,7 +35,7 @@ import pytest
 
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
-from d2sd_jax.train import features, losses, training
+from d2sd_jax.train import blocks, features, losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'configs'))
@@ -66,7 +66,7 @@ def our_blocks(ref, gamma, G):
   c = drafter1_config.get_config()
   c.train.anchors_per_seq = ref['anchors'].shape[1]
   c.loss.decay = float(gamma) if gamma > 0 else float('inf')
-  _, prefix, weights, reveal, forbid = training.sample_blocks(
+  _, prefix, weights, reveal, forbid = blocks.sample_blocks(
       jax.random.PRNGKey(0), jnp.asarray(ref['loss_mask'] > 0.5), c, G)
   assert reveal is None and forbid is None
   return jnp.asarray(ref['anchors']), prefix, weights

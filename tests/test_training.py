@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from d2sd_jax.train import features
+from d2sd_jax.train import blocks
 from d2sd_jax.train import training
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
@@ -490,7 +491,7 @@ def test_held_out_blocks_are_fully_masked_even_when_training_reveals(tiny_folder
   c = tiny_config(tiny_folder, distill_dir, '')
   c.loss.reveal = 1.0
   mask = np.ones((3, 24), bool)
-  _, _, _, train_reveal, _ = training.sample_blocks(jax.random.PRNGKey(0), mask, c, 4)
-  _, _, _, eval_reveal, _ = training.sample_blocks(jax.random.PRNGKey(0), mask, c, 4,
+  _, _, _, train_reveal, _ = blocks.sample_blocks(jax.random.PRNGKey(0), mask, c, 4)
+  _, _, _, eval_reveal, _ = blocks.sample_blocks(jax.random.PRNGKey(0), mask, c, 4,
                                                   evaluate=True)
   assert np.asarray(train_reveal).any() and eval_reveal is None
