@@ -1,9 +1,15 @@
-"""How good the drafters are on HumanEval prompts with the SmolLM2 target (greedy, T = 0).
+"""How good the drafters are, and what D²SD's second draft recovers, with the SmolLM2 target
+(greedy, T = 0).
 
-  python benchmarks/drafter_quality.py [--prompts 20] [--new_tokens 128] [--chat]
-      [--drafter1 drafters/smollm2-drafter1] [--drafter2 drafters/smollm2-drafter2]
+  python benchmarks/drafter_quality.py [--set humaneval | package:NAME | records:DIR] [--chat]
+      [--prompts 20] [--new_tokens 128] [--drafter1 ...] [--drafter2 ...]
+      [--out results/drafter_quality.json] [--plot_recovery results/recovery.png]
 
-The target first writes its greedy completions (AR, decode.py's code path). Then, at every
+--set picks the prompts: HumanEval's; the documented functions of an installed package
+(package:NAME; plain completions, or with --chat questions about what each function does), e.g.
+one that no distillation folder holds; or a distillation folder's held-out records
+(records:DIR, their recorded responses: no decoding needed). The target first writes its greedy
+completions (AR, decode.py's code path). Then, at every
 position of those completions, the drafters draft the next block from the target's own context
 features, exactly as at decode time, and we count agreement with what the target wrote:
   * drafter 1, per block position: accuracy and the chain acceptance length it implies;
@@ -12,15 +18,24 @@ features, exactly as at decode time, and we count agreement with what the target
     held-out training data at training time (stored with the drafter; not refitted here);
   * drafter 2 against drafter 1 from the same prefixes: for each prefix length l (the anchor and
     the target's next l tokens given, the rest masked), accuracy at the first re-drafted position
-    l+1 and over all masked positions.
-One JSON line per result; the last line is a summary.
+    l+1 and over all masked positions;
+  * the recovery table (d2sd_jax/train/recovery.py): where drafter 1's chain is first rejected,
+    and for each cut depth the tokens a branch re-drafted there by drafter 1 or drafter 2 adds
+    from the true cut, under redraft='exclude' and 'merge', and how often the K selected cuts
+    include it; overall and by context length (tokens before the anchor).
+One JSON line per result; the last line is a summary. --out keeps the set's results (with the
+command, date and machine) in a JSON file of all sets.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
+import importlib.util
 import io
 import json
 import os
+import shlex
 import sys
 import tempfile
 
@@ -34,7 +49,12 @@ sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 from spec_decode import humaneval_prompts  # pylint: disable=wrong-import-position
 
+from d2sd_jax import files  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 from d2sd_jax.train import calibration  # pylint: disable=wrong-import-position
+from d2sd_jax.train import data as data_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.train import distill  # pylint: disable=wrong-import-position
+from d2sd_jax.train import recovery  # pylint: disable=wrong-import-position
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.formats import loaders  # pylint: disable=wrong-import-position
 from d2sd_jax.train import losses  # pylint: disable=wrong-import-position
@@ -42,6 +62,36 @@ from d2sd_jax.train import features  # pylint: disable=wrong-import-position
 from d2sd_jax.formats.drafters import load_drafter
 
 BUCKET = 64
+CONTEXT_BUCKETS = (256, 512, 1 << 30)  # recovery by tokens before the anchor: <= 256, <= 512, more
+QUESTION = ('What does the function `{name}` of the {package} package do, and how would I call '
+            'it? Its signature and docstring:\n```python\n{body}```')
+
+
+def package_prompts(package: str, n: int, chat: bool) -> list[str]:
+  """The first n documented functions of an installed package (distill's order): plain
+  completions of the signature and docstring, or (chat) questions about what each does."""
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise SystemExit(f'package:{package}: no such installed package (pip install it first)')
+  root = list(spec.submodule_search_locations)[0]
+  functions = sorted(distill.stdlib_functions(root, distill.SKIP_DIRS),
+                     key=lambda f: hashlib.sha256(f'{f[0]}:{f[1]}'.encode()).hexdigest())
+  out = []
+  for module, name, header, doc in functions[:n]:
+    body = distill.make_prompt('complete_plain', header, doc)[0]
+    out.append(QUESTION.format(name=name, package=package, body=body) if chat else body)
+  if not out:
+    raise SystemExit(f'package:{package}: no documented functions found under {root}')
+  return out
+
+
+def record_sequences(path: str, n: int, chat: bool):
+  """(tokens, n_prompt) of the first n held-out records (training's split) of one style."""
+  rows = [r for r in data_lib.held_out_records(path, 0.05) if bool(r['chat']) == chat][:n]
+  if not rows:
+    raise SystemExit(f'records:{path}: no held-out {"chat" if chat else "plain"} records')
+  return [(np.asarray(r['prompt_ids'] + r['response_ids'], np.int32), len(r['prompt_ids']))
+          for r in rows]
 
 
 def target_sequences(prompts, args, target):
@@ -99,15 +149,62 @@ def accumulate(stats: dict, m: dict):
                                                                    m['count_by_pos'], np.float64)
 
 
+def sequences(args, target):
+  """(name of the set, [(tokens, n_prompt)]) for --set."""
+  kind, _, value = args.set.partition(':')
+  style = 'chat' if args.chat else 'plain'
+  if kind == 'records':
+    return f'{os.path.basename(value.rstrip("/"))}_{style}', record_sequences(
+        value, args.prompts, args.chat)
+  if kind == 'package':
+    prompts = package_prompts(value, args.prompts, args.chat)
+    return f'{value}_{style}', target_sequences(prompts, args, target)
+  if kind == 'humaneval':
+    return f'humaneval_{style}', target_sequences(humaneval_prompts(args.prompts), args, target)
+  raise SystemExit(f'--set {args.set!r}: use humaneval, package:NAME or records:DIR')
+
+
+def recovery_plot(table: dict, names, path: str, title: str) -> None:
+  """Per cut depth: how often the chain is first rejected there (bars, left) and the tokens a
+  branch re-drafted by each drafter adds from that cut (lines, right)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  cuts = table['by_cut']
+  x = np.arange(len(cuts))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.bar(x, [c['share'] for c in cuts], color='0.85', label='chain first rejected here')
+  ax.set_xlabel('cut depth i* (drafts accepted before the first rejection)')
+  ax.set_ylabel('share of cycles')
+  right = ax.twinx()
+  for name in names:
+    for rule, style in (('exclude', '-'), ('merge', ':')):
+      right.plot(x, [c[f'{name}_{rule}'] for c in cuts], style, marker='o',
+                 label=f'{name} re-draft, {rule}')
+  right.set_ylabel('tokens the branch adds at the true cut')
+  handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+  ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc='upper right')
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--set', default='humaneval',
+                      help='humaneval, package:NAME (an installed package) or records:DIR')
   parser.add_argument('--prompts', type=int, default=20)
   parser.add_argument('--new_tokens', type=int, default=128)
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   parser.add_argument('--drafter2', default='drafters/smollm2-drafter2')
+  parser.add_argument('--n_branches', type=int, default=4, help="D²SD's K (selected cuts)")
   parser.add_argument('--plot', default='', help='write drafter 1\'s reliability diagram here '
                       '(PNG), raw and with the stored temperature')
+  parser.add_argument('--plot_recovery', default='', help='write the recovery plot here (PNG)')
+  parser.add_argument('--out', default='', help='keep this set\'s results in this JSON file')
   args = parser.parse_args()
 
   target = loaders.load_target('smollm2', 'float32')
@@ -115,13 +212,10 @@ def main():
               (('drafter1', args.drafter1), ('drafter2', args.drafter2)) if path}
   if 'drafter1' not in drafters:
     raise SystemExit('--drafter1 is required')
-  seqs = target_sequences(humaneval_prompts(args.prompts), args, target)
+  recovery.check_alike({n: d[:2] for n, d in drafters.items()})
+  set_name, seqs = sequences(args, target)
   d1cfg = drafters['drafter1'][0]
   G = d1cfg.gamma
-  for name, (dcfg, _, _) in drafters.items():
-    if dcfg.gamma != G or dcfg.feature_layers != d1cfg.feature_layers:
-      raise SystemExit(f'{name} differs from drafter 1 in gamma or feature layers: compare '
-                       'drafters built alike')
   scorers = {name: Scorer(target, dcfg, params, args.new_tokens) for name, (dcfg, params, _) in drafters.items()}
   stats = {(name, l): {} for name in scorers for l in range(G - 1)}
   padded = -(-max(len(t) for t, _ in seqs) // BUCKET) * BUCKET  # one shape: one compilation
@@ -150,7 +244,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     calibration.reliability_plot(
         {'raw': raw, f'temperature {t_fit}': fitted}, args.plot,
-        f'drafter 1 on {len(seqs)} HumanEval {"chat" if args.chat else "plain"} prompts')
+        f'drafter 1 on {len(seqs)} {set_name} prompts')
 
   rows = []
   for l in range(G - 1):
@@ -162,14 +256,48 @@ def main():
       row[f'{name}_masked'] = round(float(hits.sum() / max(count.sum(), 1)), 4)
     rows.append(row)
     print(json.dumps(row))
-  summary = {'summary': 'drafter_quality', 'prompts': len(seqs), 'chat': args.chat,
-             'new_tokens': args.new_tokens, 'tau_estimate_drafter1':
+
+  # What a branch at the chain's true first rejection adds, by re-drafter and rule.
+  tally = recovery.measure(seqs, target, {n: d[:2] for n, d in drafters.items()},
+                           scorers['drafter1'].features, args.n_branches, CONTEXT_BUCKETS,
+                           target.tokenizer.pad_id, BUCKET)
+  rec = {'all': tally.table()}
+  for i, bound in enumerate(CONTEXT_BUCKETS):
+    low = 0 if i == 0 else CONTEXT_BUCKETS[i - 1] + 1
+    label = f'context {low}-{bound}' if bound < 1 << 30 else f'context > {low - 1}'
+    rec[label] = tally.table(i)
+  for label, table in rec.items():
+    print(json.dumps({'recovery': label, **{k: table[k] for k in (
+        'cycles', 'rejection', 'gain_per_cycle', 'gain_per_cycle_if_selected')}}))
+  for row in rec['all']['by_cut']:
+    print(json.dumps({'recovery_cut': row}))
+  if args.plot_recovery:
+    recovery_plot(rec['all'], list(drafters), args.plot_recovery,
+                  f'{set_name}: {len(seqs)} prompts, {rec["all"]["cycles"]} cycles (teacher-forced)')
+
+  summary = {'summary': 'drafter_quality', 'set': set_name, 'prompts': len(seqs),
+             'chat': args.chat, 'new_tokens': args.new_tokens, 'tau_estimate_drafter1':
              round(1 + float(np.sum(np.cumprod(acc[1:]))), 3), **{
-                 k: calib[k] for k in ('ece_raw', 'ece_calibrated', 'temperature')}}
+                 k: calib[k] for k in ('ece_raw', 'ece_calibrated', 'temperature')},
+             'rejection_prior': recovery.rejection_prior(tally),
+             'gain_per_cycle': rec['all']['gain_per_cycle']}
   if 'drafter2' in scorers:
     summary['drafter2_better_first'] = sum(r['drafter2_first'] > r['drafter1_first'] for r in rows)
     summary['prefix_lengths'] = len(rows)
   print(json.dumps(summary))
+  if args.out:
+    record = {'command': 'python benchmarks/drafter_quality.py ' + shlex.join(sys.argv[1:]),
+              'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+              'machine': costmodel.machine(), 'drafters': {
+                  n: os.path.relpath(p) for n, p in (('drafter1', args.drafter1),
+                                                     ('drafter2', args.drafter2)) if p},
+              'summary': summary, 'by_prefix': rows, 'recovery': rec}
+    results = {}
+    if os.path.exists(args.out):
+      with open(args.out) as f:
+        results = json.load(f)
+    results[set_name] = record
+    files.write_json(args.out, results)
 
 
 if __name__ == '__main__':
