@@ -205,6 +205,7 @@ def main():
                       '(PNG), raw and with the stored temperature')
   parser.add_argument('--plot_recovery', default='', help='write the recovery plot here (PNG)')
   parser.add_argument('--out', default='', help='keep this set\'s results in this JSON file')
+  parser.add_argument('--tag', default='', help='kept under SET/TAG in --out (e.g. which drafters)')
   args = parser.parse_args()
 
   target = loaders.load_target('smollm2', 'float32')
@@ -296,7 +297,7 @@ def main():
     if os.path.exists(args.out):
       with open(args.out) as f:
         results = json.load(f)
-    results[set_name] = record
+    results[set_name + (f'/{args.tag}' if args.tag else '')] = record
     files.write_json(args.out, results)
 
 
