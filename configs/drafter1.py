@@ -57,7 +57,11 @@ def get_config():
   c.data.text_field = 'text'  # a dataset without prompt_ids/response_ids: its text feature
   c.data.prefetch = 2  # batches each host reads ahead in grain threads (0: in the train loop)
   c.data.seq_len = 320  # tokens per training window (prompt tail + response)
-  c.data.eval_fraction = 0.05  # records held out (by id) for evaluation
+  c.data.eval_fraction = 0.05  # records held out for evaluation
+  # What is held out whole: 'record' (by id: a held-out record's package was trained on, so its
+  # figures measure memory) or 'source' (whole packages, standard-library modules and question
+  # subjects: held-out figures then measure generalisation; the shipped drafters used 'record')
+  c.data.holdout = 'record'
   c.data.features_dir = ''  # precomputed teacher features ('' = workdir/features); runs share it
   # A teacher-forced corpus (python scripts/corpus.py --seq_len 320): text labelled with the
   # target's own next-token predictions, mixed into the training windows ('' = none)

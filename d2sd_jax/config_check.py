@@ -24,7 +24,7 @@ TRAIN_FIELDS = {
                 'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab',
                 'mask_token_id'},
     'data': {'source', 'path', 'tfds_dir', 'tfds_name', 'tfds_split', 'text_field', 'prefetch',
-             'seq_len', 'eval_fraction', 'features_dir', 'corpus_path', 'corpus_windows'},
+             'seq_len', 'eval_fraction', 'holdout', 'features_dir', 'corpus_path', 'corpus_windows'},
     'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
               'seed', 'precompute_features', 'compute_dtype', 'grad_accum', 'remat',
               'distinct_anchors'},

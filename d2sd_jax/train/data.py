@@ -59,11 +59,35 @@ def held_out_ids(ids: list[str], fraction: float) -> np.ndarray:
                      for i in ids], bool)
 
 
-def held_out_records(path: str, fraction: float) -> list[dict]:
-  """The records of the distillation shards under `path` that training holds out (by id, at
-  data.eval_fraction = `fraction`), in order: what evaluations read."""
+HOLDOUTS = ('record', 'source')
+
+
+def source_group(source: str) -> str:
+  """What a held-out split by source holds out whole: the top-level package or standard-library
+  module of a function's record ('jedi/inference/x.py:f' -> 'jedi', 'json/decoder.py:f' ->
+  'json'), and a question's subject ('wordnet:noun.act:research', every question about it)."""
+  if source.startswith('wordnet:'):
+    return source
+  return source.split('/')[0].split(':')[0].removesuffix('.py')
+
+
+def split_keys(ids: list[str], sources: list[str] | None, holdout: str) -> list[str]:
+  """The key each record's split is drawn from: its id, or its source's group."""
+  if holdout == 'record':
+    return ids
+  if sources is None or not any(sources):
+    raise ValueError("data.holdout='source' needs distillation shards whose records name their "
+                     "source (scripts/distill.py writes it): use data.holdout='record' here")
+  return [source_group(s) if s else i for i, s in zip(ids, sources)]
+
+
+def held_out_records(path: str, fraction: float, holdout: str = 'record') -> list[dict]:
+  """The records of the distillation shards under `path` that training holds out (by id, or
+  by source group: data.holdout; at data.eval_fraction = `fraction`), in order: what
+  evaluations read."""
   rows = records_lib.read_records(path)
-  return [r for r, h in zip(rows, held_out_ids([r['id'] for r in rows], fraction)) if h]
+  keys = split_keys([r['id'] for r in rows], [str(r.get('source', '')) for r in rows], holdout)
+  return [r for r, h in zip(rows, held_out_ids(keys, fraction)) if h]
 
 
 def _held_out_indices(n: int, fraction: float) -> np.ndarray:
@@ -89,13 +113,17 @@ class SequenceData:
   """Fixed-length training/eval windows over a record source, split by record id
   (eval_fraction of ids held out); windows are read and cut on demand (`example`)."""
 
-  def __init__(self, source, seq_len: int, pad_id: int, eval_fraction: float):
+  def __init__(self, source, seq_len: int, pad_id: int, eval_fraction: float,
+               holdout: str = 'record'):
     self.source = records_lib.ListSource(source) if isinstance(source, list) else source
     self.seq_len, self.pad_id = seq_len, pad_id
     ids, has_response = self.source.index()
     n = len(self.source)
-    held = (_held_out_indices(n, eval_fraction) if ids is None else
-            held_out_ids(ids, eval_fraction))
+    if ids is None and holdout != 'record':
+      raise ValueError(f"data.holdout={holdout!r} needs records that name their source; this "
+                       "source has none: use data.holdout='record'")
+    held = (_held_out_indices(n, eval_fraction) if ids is None else held_out_ids(
+        split_keys(ids, getattr(self.source, 'sources', None), holdout), eval_fraction))
     ok = np.ones(n, bool) if has_response is None else has_response
     self.records = {'train': np.flatnonzero(ok & ~held), 'eval': np.flatnonzero(ok & held)}
     if not self.size('train'):
@@ -259,7 +287,8 @@ def from_config(data_config, tokenizer, vocab_size: int, top_k: int = 0):
         tokenizer, data_config.seq_len, vocab_size)
   else:
     raise ValueError(f'data.source={source!r}: use one of {SOURCES}')
-  main = SequenceData(records, data_config.seq_len, tokenizer.pad_id, data_config.eval_fraction)
+  main = SequenceData(records, data_config.seq_len, tokenizer.pad_id, data_config.eval_fraction,
+                      data_config.get('holdout', 'record'))
   if not data_config.get('corpus_path'):
     return main
   corpus = CorpusWindows(data_config.corpus_path, data_config.seq_len,

@@ -53,6 +53,7 @@ class ShardsSource:
     self.files = shard_files(path)
     self._lines = functools.lru_cache(maxsize=8)(self._read_lines)
     self._where = np.zeros((0, 2), np.int64)  # per record: (file, line number); set by index()
+    self.sources: list[str] = []  # per record: what its prompt came from; set by index()
 
   def _read_lines(self, f: int) -> list[bytes]:
     try:
@@ -80,7 +81,7 @@ class ShardsSource:
     return r
 
   def index(self):
-    ids, has_response, where = [], [], []
+    ids, has_response, where, sources = [], [], [], []
     for f in range(len(self.files)):
       for n, line in enumerate(self._lines(f), 1):
         if line.strip():
@@ -88,7 +89,9 @@ class ShardsSource:
           ids.append(str(r['id']))
           has_response.append(bool(r['response_ids']))
           where.append((f, n))
+          sources.append(str(r.get('source', '')))
     self._where = np.asarray(where, np.int64).reshape(-1, 2)
+    self.sources = sources
     return ids, np.asarray(has_response, bool)
 
   def __len__(self):
@@ -104,6 +107,7 @@ class ListSource:
 
   def __init__(self, records: list[dict]):
     self.records = records
+    self.sources = [str(r.get('source', '')) for r in records]
 
   def index(self):
     return ([str(r['id']) for r in self.records],

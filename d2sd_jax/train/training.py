@@ -104,6 +104,8 @@ def validate(config) -> None:
                      'or loss.soft=0')
   if config.loss.get('soft', 0.0) and config.loss.get('soft_k', 8) < 1:
     raise ValueError(f'loss.soft_k={config.loss.soft_k} must be >= 1')
+  if config.data.get('holdout', 'record') not in data_lib.HOLDOUTS:
+    raise ValueError(f'data.holdout={config.data.holdout!r}: use one of {data_lib.HOLDOUTS}')
   if not 0.0 <= config.data.eval_fraction < 1.0:
     raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
   for name in ('log_every', 'save_every'):
