@@ -11,7 +11,7 @@ the hardware) × AR step / cycle, where the AR step and the cycle are the roofli
 same programs (`costmodel.predict`); and each training run's held-out evaluations.
 --record keeps the whole in results/gpu.json under the chip's name (--markdown then reads it
 from there when OUT is not given); --markdown prints the tables, --write puts the decoding
-table into the README and the training runs into docs/training.md, between their gpu_results.py
+table into docs/results.md and the training runs into docs/training.md, between their gpu_results.py
 markers.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from d2sd_jax.spec_decode import speculative as SP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, 'results', 'gpu.json')
-README = os.path.join(ROOT, 'README.md')
+RESULTS = os.path.join(ROOT, 'docs', 'results.md')
 TRAINING = os.path.join(ROOT, 'docs', 'training.md')
 BEGIN, END = '<!-- gpu_results.py --markdown: begin -->', '<!-- gpu_results.py --markdown: end -->'
 # What each run of benchmarks/gpu_session.sh trained (its MODE, the run's name there).
@@ -108,7 +108,7 @@ def main():
   parser.add_argument('--date', default='', help="the lease's date, if session.log lacks it")
   parser.add_argument('--record', action='store_true', help='keep it in results/gpu.json')
   parser.add_argument('--markdown', action='store_true')
-  parser.add_argument('--write', action='store_true', help='with --markdown: into the README and docs/training.md')
+  parser.add_argument('--write', action='store_true', help='with --markdown: into docs/results.md and docs/training.md')
   args = parser.parse_args()
   if args.out:
     record = lease_record(args)
@@ -190,10 +190,10 @@ def training_markdown(record: dict) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def write_markdown(record: dict, readme: str = README, training: str = TRAINING) -> None:
-  """The decoding table into the README, the training runs into docs/training.md, each between
+def write_markdown(record: dict, results: str = RESULTS, training: str = TRAINING) -> None:
+  """The decoding table into docs/results.md, the training runs into docs/training.md, each between
   its gpu_results.py markers."""
-  files.replace_block(readme, BEGIN, END, markdown(record))
+  files.replace_block(results, BEGIN, END, markdown(record))
   files.replace_block(training, BEGIN, END, training_markdown(record))
 
 

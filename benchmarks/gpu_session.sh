@@ -11,9 +11,11 @@
 #      96 new tokens, tree budget 16, shipped drafters): AR, pld, dflash, d2sd, ddtree and
 #      d2sd_tree tokens/s and tau, each checked token for token against AR.
 #   2. metrics_d1.jsonl / metrics_d2.jsonl (and the logs' tails in session.log): drafter 1
-#      (12,000 more steps from drafters/smollm2-drafter1) and drafter 2 (4,000 more from
-#      drafters/smollm2-drafter2), trained side by side on the GPU with the target's features
-#      computed in the step, each stopped cleanly (SIGTERM saves a checkpoint) if time runs out.
+#      (12,000 more steps from drafters/smollm2-drafter1) and drafter 2 (12,000 steps from the
+#      same drafter 1, with D2_ARGS: by default its blocks at drafter 1's first rejections,
+#      loss.cuts_from, the reference's batch-wide loss and distinct anchors), trained side by
+#      side on the GPU with the target's features computed in the step, each stopped cleanly
+#      (SIGTERM saves a checkpoint) if time runs out.
 #      (The shipped drafters came out of this script run on the CPU-trained ones of f105a34.)
 #   3. drafter1.tar / drafter2.tar: the exports (bfloat16, as drafters/ ships them), and
 #      drafter1.npz / drafter2.npz: the same parameters (bfloat16 bits as uint16) and metadata
@@ -59,13 +61,14 @@ fi
 # 2. Both drafters, side by side (each small model leaves the GPU mostly idle alone).
 TRAIN_S=$(( $(left) - 75 ))
 say "train: ${TRAIN_S}s"
-train() {  # name config init steps lr
+D2_ARGS=${D2_ARGS:---config.loss.cuts_from=drafters/smollm2-drafter1 --config.loss.block_norm=False --config.loss.tau=7.0 --config.train.distinct_anchors=True}
+train() {  # name config init steps lr [more flags]
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout -s TERM "$TRAIN_S" python3 train.py \
     --config "configs/$2.py" --config.workdir="$RUNS/$1" --config.init_from="$3" \
     --config.data.path=$DATA --config.train.steps="$4" --config.train.lr="$5" \
     --config.train.warmup=100 --config.train.precompute_features=False \
     --config.eval_every=1000 --config.save_every=250 --config.progress_bar=False \
-    ${TRAIN_ARGS:-} > "$RUNS/train_$1.log" 2>&1
+    ${TRAIN_ARGS:-} ${6:-} > "$RUNS/train_$1.log" 2>&1
   echo "train $1 exit $?; its log's tail:" >> "$OUT/session.log"
   tail -n 12 "$RUNS/train_$1.log" >> "$OUT/session.log"
   cp "$RUNS/$1/metrics.jsonl" "$OUT/metrics_$1.jsonl" 2>/dev/null
@@ -73,11 +76,11 @@ train() {  # name config init steps lr
 if [ "$MODE" = first ]; then
   R1=d1 R2=d2
   train d1 drafter1 drafters/smollm2-drafter1 ${D1_STEPS:-12000} 3e-4 &
-  train d2 drafter2 drafters/smollm2-drafter2 ${D2_STEPS:-4000} 2e-4 &
+  train d2 drafter2 drafters/smollm2-drafter1 ${D2_STEPS:-12000} 3e-4 "$D2_ARGS" &
 else
   R1=d1b R2=d2b
   train d1b drafter1 "$RUNS/d1" ${D1_STEPS:-15000} 2e-4 &
-  train d2b drafter2 "$RUNS/d2" ${D2_STEPS:-6000} 2e-4 &
+  train d2b drafter2 "$RUNS/d2" ${D2_STEPS:-6000} 2e-4 "$D2_ARGS" &
 fi
 wait
 say "trained: $(tail -qn1 "$OUT"/metrics_d*.jsonl 2>/dev/null | cut -c1-160)"

@@ -402,9 +402,8 @@ HEADLINE = ('humaneval_chat', ('method', 'τ', 'tokens/s', 'speed-up vs AR'))
 
 
 def headline(out_dir: str) -> str:
-  """The README's tables, from reproduce.json: the ladder on HumanEval in the chat template,
-  then the trees section's rows on the same prompts (its own AR row and speed-ups: another
-  run)."""
+  """The README's table, from reproduce.json: the ladder on HumanEval in the chat template
+  (docs/results.md has every other table, the trees' included)."""
   with open(os.path.join(out_dir, 'reproduce.json')) as f:
     res = json.load(f)
   shipped = drafters_digest(SHIPPED)
@@ -415,11 +414,6 @@ def headline(out_dir: str) -> str:
   lines = [f'{name} ({res["settings"]}) {_measured(res, "ladder", shipped=shipped)}:', '',
            *table]
   lines += [row(r) for r in res['ladder'][name]]
-  if name in res.get('trees', {}):
-    lines += ['', f'best-first trees at {TREE_BUDGET} nodes, {name} '
-              f'{_measured(res, "trees", name, shipped)}:',
-              '', *table]
-    lines += [row(r) for r in res['trees'][name]]
   return '\n'.join(lines)
 
 

@@ -62,8 +62,7 @@ flags.DEFINE_string('json', None, 'write the figures to this JSON file')
 flags.DEFINE_bool('record', False, f'also keep them in {os.path.relpath(RECORD, ROOT)}')
 flags.DEFINE_bool('markdown', False, f'print the tables of {os.path.relpath(RECORD, ROOT)} (no '
                   'compiling) with the roofline and the published figures beside them')
-flags.DEFINE_bool('write', False, 'with --markdown: put them into docs/scale-out.md (the '
-                  'speed-up tables also into README.md)')
+flags.DEFINE_bool('write', False, 'with --markdown: put them into docs/scale-out.md')
 config_flags.DEFINE_config_file('train', None, "a train.py config: compile one training step "
                                 '(overrides as --train.x=y)', lock_config=True)
 
@@ -124,7 +123,6 @@ VLLM_TPU_DFLASH = ('vLLM tpu-inference DFlash port (UCSD), TPU v5p, Qwen3-4B + '
                    'tpu-dflash (3.13x average, tau 5.42, in github.com/ConstBob/tpu-spec-decode)')
 BEGIN, END = '<!-- tpu_compile.py --markdown: begin -->', '<!-- tpu_compile.py --markdown: end -->'
 DOC = os.path.join(ROOT, 'docs', 'scale-out.md')
-README = os.path.join(ROOT, 'README.md')
 
 
 def _program_table(result: dict) -> list[str]:
@@ -172,7 +170,7 @@ def markdown() -> str:
 
 
 def accelerator_tables(kept: dict) -> str:
-  """The predicted speed-ups (the README's accelerator table and the shipped drafters'), from
+  """The predicted speed-ups (the accelerator table and the shipped drafters'), from
   the kept records, the roofline and the published figures."""
   from d2sd_jax.perf import throughput  # pylint: disable=import-outside-toplevel
   from d2sd_jax.spec_decode import ar, speculative as SP  # pylint: disable=import-outside-toplevel
@@ -248,12 +246,6 @@ def write_markdown(text: str, path: str = None) -> None:
   files.replace_block(path or DOC, BEGIN, END, text)
 
 
-def readme_tables() -> str:
-  """The README's accelerator block: the speed-up tables of `markdown`."""
-  with open(RECORD) as f:
-    return accelerator_tables(json.load(f)).lstrip('\n')
-
-
 def run() -> dict:
   devices = C.tpu_devices(FLAGS.topology)
   chip = C.chip_of(devices)
@@ -306,7 +298,6 @@ def main(argv):
     print(text)
     if FLAGS.write:
       write_markdown(text)
-      write_markdown(readme_tables(), README)
     return
   result = run()
   print(table(result))

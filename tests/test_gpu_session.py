@@ -1,5 +1,5 @@
 """benchmarks/gpu_session.sh (a GPU lease's script) and benchmarks/gpu_results.py (what turns its
-output into results/gpu.json and the README's GPU tables). The script runs here end to end on
+output into results/gpu.json and docs/results.md's GPU table). The script runs here end to end on
 the CPU at tiny sizes (slow tier); the results script is checked on a made-up lease folder."""
 import json
 import os
@@ -37,7 +37,7 @@ def fake_lease(out):
 
 def test_read_lease_and_its_tables(tmp_path):
   """The rows, the machine and date from the log, each run's evaluations in order; the tables
-  have one row per method and per run; --write replaces only the marked blocks of the README
+  have one row per method and per run; --write replaces only the marked blocks of docs/results.md
   (decoding) and docs/training.md (training runs)."""
   out = str(tmp_path / 'lease')
   fake_lease(out)
@@ -61,15 +61,15 @@ def test_read_lease_and_its_tables(tmp_path):
   assert '| pld | 2.50 | 1000 | 2.00× | 1.80× |' in text and 'd1' not in text
   runs = gpu_results.training_markdown(record)
   assert '3.0 (step 1,000) → 2.5 | 1.5 → 1.8 |' in runs and '| d2b: ' in runs
-  readme, training = tmp_path / 'README.md', tmp_path / 'training.md'
-  for page in (readme, training):
+  results, training = tmp_path / 'results.md', tmp_path / 'training.md'
+  for page in (results, training):
     page.write_text(f'intro\n{gpu_results.BEGIN}\nold\n{gpu_results.END}\noutro\n')
-  gpu_results.write_markdown(record, str(readme), str(training))
-  assert readme.read_text() == f'intro\n{gpu_results.BEGIN}\n{text}{gpu_results.END}\noutro\n'
+  gpu_results.write_markdown(record, str(results), str(training))
+  assert results.read_text() == f'intro\n{gpu_results.BEGIN}\n{text}{gpu_results.END}\noutro\n'
   assert training.read_text() == f'intro\n{gpu_results.BEGIN}\n{runs}{gpu_results.END}\noutro\n'
   training.write_text('no markers\n')
   with pytest.raises(SystemExit, match='needs one'):
-    gpu_results.write_markdown(record, str(readme), str(training))
+    gpu_results.write_markdown(record, str(results), str(training))
 
 
 @pytest.mark.slow
