@@ -104,3 +104,28 @@ def test_token_probs_are_probs_at_the_tokens(settings):
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 5, 7), 0, 40)
   expected = jnp.take_along_axis(S.probs(logits, settings), tokens, axis=-1)
   np.testing.assert_allclose(S.token_probs(logits, tokens, settings), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize('top_k,top_p,temperature', [(10, 0.5, 0.7), (40, 0.9, 1.3)])
+def test_top_k_then_top_p_equals_the_sorted_definition(top_k, top_p, temperature):
+  """With both filters: temperature, then the top_k largest logits, then the smallest set of
+  those (renormalised) whose mass reaches top_p, the token crossing top_p included; probs is
+  that set's renormalised law (float64 reference, rows within rounding of top_p skipped)."""
+  z = 2.0 * jax.random.normal(jax.random.PRNGKey(7), (8, 300))
+  settings = S.SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+  got = np.asarray(S.probs(z, settings), np.float64)
+  checked = 0
+  for row, zr in zip(got, np.asarray(z, np.float64) / temperature):
+    order = np.argsort(-zr, kind='stable')[:top_k]
+    p = np.exp(zr[order] - zr[order].max())
+    p /= p.sum()
+    mass = np.cumsum(p)
+    n_keep = int(np.searchsorted(mass, top_p) + 1)
+    near = [abs(mass[i] - top_p) < 1e-5 for i in (n_keep - 1, n_keep - 2) if i >= 0]
+    if any(near):
+      continue
+    want = np.zeros_like(row)
+    want[order[:n_keep]] = p[:n_keep] / p[:n_keep].sum()
+    np.testing.assert_allclose(row, want, atol=1e-6)
+    checked += 1
+  assert checked >= 6
