@@ -155,9 +155,9 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
   Over a mesh (the program traced under it: `models.sharding.tracing_under`) the kernel runs per device
   on its rows and KV heads (`shard_map`), as splash attention does."""
   local = functools.partial(_attend_local, interpret=interpret, out_dtype=out_dtype)
-  split = split.kernel_axes(*q_BxHkvxRxhd.shape[:2])
-  if split:
-    mesh, rows, heads = split
+  axes = split.kernel_axes(*q_BxHkvxRxhd.shape[:2])
+  if axes:
+    mesh, rows, heads = axes
     P = jax.sharding.PartitionSpec
     four = P(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh,

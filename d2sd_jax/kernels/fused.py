@@ -194,9 +194,9 @@ def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
           cos, sin, kv['k'], kv['v'], tbias)
   local = functools.partial(_attention_local, eps=eps, qk_norm='q_norm' in lp,
                             interpret=interpret, out_dtype=out_dtype)
-  split = split.kernel_axes(B, w.shape[0])
-  if split:
-    mesh, rows, heads = split
+  axes = split.kernel_axes(B, w.shape[0])
+  if axes:
+    mesh, rows, heads = axes
     P = jax.sharding.PartitionSpec
     heads4, row3 = P(rows, heads, None, None), P(rows, None, None)
     in_specs = (P(rows), row3, P(), P(heads, None, None, None),
@@ -269,9 +269,9 @@ def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
   f32 = jnp.float32
   x = x_BxTxD.astype(f32)
   local = functools.partial(_mlp_local, eps=eps, interpret=interpret)
-  split = split.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
-  if split:
-    mesh, rows, cols = split
+  axes = split.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
+  if axes:
+    mesh, rows, cols = axes
     P = jax.sharding.PartitionSpec
     body = local
     if cols:  # each device sums its part of F: reduce the parts, then add the residual

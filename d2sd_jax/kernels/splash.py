@@ -71,10 +71,10 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
               pad)
   k, v = jnp.pad(k_BxHkvxTxhd, pad), jnp.pad(v_BxHkvxTxhd.astype(dtype), pad)
   local = functools.partial(_causal_local, interpret=interpret)
-  split = split.kernel_axes(B, Hkv)
-  if split:
+  axes = split.kernel_axes(B, Hkv)
+  if axes:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
-    mesh, rows, heads = split
+    mesh, rows, heads = axes
     spec = jax.sharding.PartitionSpec(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                           check_vma=False)
