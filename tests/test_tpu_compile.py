@@ -117,6 +117,30 @@ def test_tpu_step_and_cycle_read_at_most_1_1x_their_floor_in_the_tpu_form():
   assert rows['dflash', 'step']['bytes_per_device'] > rows['ar', 'step']['bytes_per_device']
 
 
+@pytest.mark.parametrize('batch', [1, 2])
+def test_ar_step_and_d2sd_cycle_compile_on_the_fused_kernels(batch):
+  """For a v5p chip, at batch 1 and 2: the AR step (one new token per row) and a d2sd cycle
+  (a 36-node tree per row) compile, every target and drafter layer on fused.py's kernels
+  (head dim 128). A kernel form that Mosaic does not lower (a score product against one key
+  row: "Not implemented: Lane broadcast") fails the AR step; a `fits` that sends these shapes
+  to the XLA form leaves too few kernel calls."""
+  devices = tpu_devices('v5p:1x1x1')
+  mesh = C.mesh_of(devices, 'data=1,model=1')
+  dcfgs = {'drafter1': LEAN_DRAFTER, 'drafter2': LEAN_DRAFTER}
+  programs = C.decode_programs(LEAN, dcfgs, ['ar', 'd2sd'], mesh, batch=batch, context=64,
+                               max_new_tokens=32, loops=False)
+  on_device = jax.sharding.SingleDeviceSharding(devices[0])
+  for prefill, step in zip(programs[::2], programs[1::2]):
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device),
+                         prefill.abstract_output())
+    step.args = step.args[:3] + (state,)
+    _, compiled = C.compile_program(step, C.chip_of(devices), 1)
+    calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    # attention half + MLP per target layer, and per drafter layer in each of d2sd's 2 passes
+    layers = LEAN.n_layers + (2 * LEAN_DRAFTER.n_layers if step.method == 'd2sd' else 0)
+    assert calls >= 2 * layers, (step.method, batch, calls)
+
+
 @pytest.mark.slow
 def test_tpu_compile_every_method_loop_and_a_training_step_on_a_v5e_mesh(tmp_path):
   """benchmarks/tpu_compile.py on v5e:2x2 (model axis 2) with a tiny target: every method's
