@@ -129,8 +129,9 @@ def _program_table(result: dict) -> list[str]:
   where = (f"mesh data={result['mesh']['data']}, model={result['mesh']['model']}; drafters "
            f"{result['drafters']}; batch {result['batch']}, context {result['context']}"
            if decode else 'a training step')
-  lines = [f"**{result['target']} on {result['topology']}** ({where}; {result['date']}, "
-           f"{result['machine']}, `{result['command']}`)", '',
+  libtpu = result.get('toolchain', {}).get('libtpu') or 'not recorded'
+  lines = [f"**{result['target']} on {result['topology']}** ({where}; libtpu {libtpu}; "
+           f"{result['date']}, {result['machine']}, `{result['command']}`)", '',
            '| program | GB read / device | floor | × floor | memory GiB / device (of '
            f"{result['hbm_bytes_per_device'] / C.GiB:.0f}) | collectives | estimate | AR steps |",
            '|---|---|---|---|---|---|---|---|']
@@ -277,6 +278,7 @@ def run() -> dict:
   return {
       'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': costmodel.machine(device=False),
       'command': ' '.join(['python benchmarks/tpu_compile.py', *sys.argv[1:]]),
+      'toolchain': C.toolchain(),
       'topology': FLAGS.topology, 'device_kind': devices[0].device_kind, 'chip': chip.name,
       'n_devices': len(devices), 'mesh': dict(mesh.shape), 'target': FLAGS.target,
       'dtype': FLAGS.dtype, 'drafters': FLAGS.drafters, 'methods': methods,

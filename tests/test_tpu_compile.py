@@ -4,15 +4,23 @@ target's AR step and dflash cycle compiled for a v5p chip reading at most 1.1x t
 the TPU program's own form (no CPU-only column products). libtpu comes with the test extra;
 without it these tests fail, saying so, rather than skip."""
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+import tomllib
 
 import jax
 import jax.numpy as jnp
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import target as model_lib
@@ -26,9 +34,102 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tpu_devices(topology):
   if importlib.util.find_spec('libtpu') is None:
-    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it pins libtpu==0.0.52) to "
-                'compile for TPU topologies')
+    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings jax[tpu]'s "
+                'libtpu) to compile for TPU topologies')
   return C.tpu_devices(topology)
+
+
+def _jax_tpu_requirements():
+  """The requirements the installed jax declares for its `tpu` extra."""
+  out = []
+  for line in importlib.metadata.requires('jax') or []:
+    req = Requirement(line)
+    if req.marker is not None and req.marker.evaluate({'extra': 'tpu'}) and not (
+        req.marker.evaluate({'extra': ''})):
+      out.append(req)
+  return out
+
+
+def test_installed_libtpu_is_the_one_the_installed_jax_declares():
+  """The compiler these tests and benchmarks/tpu_compile.py measure with is the one
+  `pip install 'jax[tpu]'` puts on a TPU VM: the installed libtpu satisfies the installed jax's
+  own `tpu` requirement (jax 0.10.2: libtpu==0.0.42.*). Another build compiles the same HLO
+  differently (0.0.52 fails jax 0.10.2's batch > 1 prefills; 0.0.42 refused a kernel that 0.0.52
+  took)."""
+  (want,) = [r for r in _jax_tpu_requirements() if r.name == 'libtpu']
+  tpu_devices('v5p:1x1x1')  # fails, saying how to install it, where libtpu is missing
+  have = importlib.metadata.version('libtpu')
+  assert want.specifier.contains(have, prereleases=True), (
+      f"libtpu {have} is installed, but jax {importlib.metadata.version('jax')} declares "
+      f"{want.name}{want.specifier} for its tpu extra: pip install -e '.[aot]' (or "
+      "pip install 'jax[tpu]') to get it")
+
+
+def _pyproject():
+  with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+    return tomllib.load(f)['project']
+
+
+def _extra_requirements(project, extra):
+  """The requirements an extra brings, its references to the project's own extras followed."""
+  out = []
+  for line in project['optional-dependencies'][extra]:
+    req = Requirement(line)
+    if canonicalize_name(req.name) == canonicalize_name(project['name']):
+      for inner in req.extras:
+        out += _extra_requirements(project, inner)
+    else:
+      out.append(req)
+  return out
+
+
+def test_the_tpu_extras_take_libtpu_from_jax_and_python_and_jax_are_what_the_suite_runs_on():
+  """pyproject.toml: the `tpu`, `aot` and `test` extras bring libtpu only through jax[tpu] (one
+  place: the libtpu that jax declares, never a pin of our own that drifts from it); the declared
+  jax range holds the installed jax and starts at its minor release (the one the suite runs on);
+  and `requires-python` admits no Python that jax refuses (pip then refuses at once, naming the
+  version, rather than backtracking through jax releases)."""
+  project = _pyproject()
+  for extra in ('tpu', 'aot', 'test'):
+    reqs = _extra_requirements(project, extra)
+    assert not [r for r in reqs if r.name == 'libtpu'], (
+        f"the {extra} extra pins libtpu itself: take it through jax[tpu], whose libtpu is jax's")
+    assert [r for r in reqs if r.name == 'jax' and 'tpu' in r.extras], (extra, reqs)
+  (jax_req,) = [Requirement(r) for r in project['dependencies'] if Requirement(r).name == 'jax']
+  installed = Version(importlib.metadata.version('jax'))
+  assert jax_req.specifier.contains(installed), (str(jax_req), installed)
+  lowest = [Version(s.version) for s in jax_req.specifier if s.operator == '>=']
+  assert lowest and lowest[0].release[:2] == installed.release[:2], (
+      f'{jax_req}: the lowest jax allowed is not of the {installed.major}.{installed.minor} '
+      'release the suite runs on; raise the lower bound (or test the oldest allowed in CI)')
+  ours = SpecifierSet(project['requires-python'])
+  jax_python = SpecifierSet(importlib.metadata.metadata('jax')['Requires-Python'])
+  for minor in range(6, 20):
+    assert not (f'3.{minor}' in ours and f'3.{minor}' not in jax_python), (
+        f"requires-python {ours} admits Python 3.{minor}, which jax {installed} refuses "
+        f'({jax_python}): raise it to what jax requires')
+
+
+def _documented_topologies():
+  names = set()
+  for path in ['README.md'] + [os.path.join('docs', f) for f in os.listdir(
+      os.path.join(ROOT, 'docs')) if f.endswith('.md')]:
+    with open(os.path.join(ROOT, path)) as f:
+      names |= set(re.findall(r'\bv(?:5e|5p|6e):\d+x\d+(?:x\d+)?\b', f.read()))
+  return names
+
+
+def test_tpu_devices_gives_every_topology_the_docs_name():
+  """Every topology the README and docs name, and those the decode programs are checked on,
+  gives its chips, one device each, of its chip. Under jax's own libtpu a topology smaller than
+  its default host of 2x2x1 chips (v5p:1x1x1, v5e:1x1) is refused unless laid out as one host
+  (chips_per_host_bounds)."""
+  names = _documented_topologies() | {'v5p:1x1x1', 'v5p:2x2x1', 'v5e:2x4', 'v5e:1x1'}
+  for name in sorted(names):
+    kind, shape = name.split(':')
+    devices = tpu_devices(name)
+    assert len(devices) == math.prod(int(d) for d in shape.split('x')), (name, len(devices))
+    assert C.chip_of(devices).name == f'TPU {kind}', (name, devices[0].device_kind)
 
 
 class MeshShape:
