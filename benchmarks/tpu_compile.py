@@ -164,7 +164,7 @@ def markdown() -> str:
   out = []
   for result in kept.values():
     out += _program_table(result) + ['']
-  return '\n'.join(out) + accelerator_tables(kept)
+  return '\n'.join(out) + '\n' + accelerator_tables(kept)
 
 
 def accelerator_tables(kept: dict) -> str:
@@ -179,13 +179,15 @@ def accelerator_tables(kept: dict) -> str:
           '| chip | source | AR step | dflash cycle | d2sd cycle | dflash speed-up | '
           'd2sd speed-up |', '|---|---|---|---|---|---|---|']
   for result in kept.values():
-    if result['target'] != 'qwen3-8b' or result['drafters'] != 'paper':
+    if (result['target'], result['drafters'], result['batch'], result['context']) != (
+        'qwen3-8b', 'paper', 1, 1024):
       continue
     est = C.step_estimates(result)
     if not {'ar', 'dflash', 'd2sd'} <= set(est):
       continue
     src = ("TPU compiler's estimate" if result['n_devices'] == 1 else
            'roofline of the compiled per-device figures')
+    src += f" (libtpu {result.get('toolchain', {}).get('libtpu') or 'not recorded'})"
     out.append(f"| {result['chip']} ({result['topology']}, model={result['mesh']['model']}) | "
                f"{src} | {1e3 * est['ar']:.2f} ms | {est['dflash'] / est['ar']:.2f} AR | "
                f"{est['d2sd'] / est['ar']:.2f} AR | "
@@ -223,7 +225,7 @@ def accelerator_tables(kept: dict) -> str:
   run = rep['runs'][section]
   rows = []
   for result in kept.values():
-    if result['target'] != 'smollm2':
+    if result['target'] != 'smollm2' or result['batch'] != 1:
       continue
     est = C.step_estimates(result)
     for method in methods:

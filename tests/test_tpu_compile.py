@@ -336,3 +336,28 @@ def test_budgeted_trees_compile_at_the_measured_budget():
   for method in ('ddtree', 'd2sd_tree'):
     assert C.spec_settings(method, gen, dcfgs).tree_size == C.TREE_BUDGET == 16
   assert C.spec_settings('d2sd', gen, dcfgs).tree_size == 8 + 4 * 7  # chain + K branches
+
+
+@pytest.mark.slow
+def test_markdown_names_the_libtpu_and_the_batch_1_table_takes_batch_1(tmp_path, monkeypatch):
+  """benchmarks/tpu_compile.py --markdown on a record holding one v5p chip at batch 1 and at
+  batch 8: each program table names its libtpu and stands apart from the next block (a blank
+  line), and the speed-up table, titled batch 1, has one v5p row, the batch-1 record's (a
+  batch-8 record with its dearer AR step there would be a second row, or the only one)."""
+  sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+  import tpu_compile  # pylint: disable=import-outside-toplevel
+  with open(tpu_compile.RECORD) as f:
+    kept = json.load(f)
+  one = kept[next(k for k in kept if k.startswith('TPU v5p|qwen3-8b|paper|mesh=1x1|batch=1|'))]
+  eight = json.loads(json.dumps({**one, 'batch': 8, 'toolchain': {'libtpu': '9.9.9'}}))
+  for p in eight['programs']:
+    p['estimate_s'] *= 3
+  record = tmp_path / 'tpu_compile.json'
+  record.write_text(json.dumps({'a': one, 'b': eight}))
+  monkeypatch.setattr(tpu_compile, 'RECORD', str(record))
+  text = tpu_compile.markdown()
+  assert f"libtpu {one['toolchain']['libtpu']};" in text and 'libtpu 9.9.9;' in text
+  assert "|\n\n**Qwen3-8B, the paper's drafters" in text
+  rows = [line for line in text.splitlines() if line.startswith('| TPU v5p (v5p:1x1x1')]
+  est = C.step_estimates(one)
+  assert len(rows) == 1 and f"| {1e3 * est['ar']:.2f} ms |" in rows[0], rows
