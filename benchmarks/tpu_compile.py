@@ -132,8 +132,9 @@ def _program_table(result: dict) -> list[str]:
   where = (f"mesh data={result['mesh']['data']}, model={result['mesh']['model']}; drafters "
            f"{result['drafters']}; batch {result['batch']}, context {result['context']}"
            if decode else 'a training step')
-  lines = [f"**{result['target']} on {result['topology']}** ({where}; {result['date']}, "
-           f"{result['machine']}, `{result['command']}`)", '',
+  libtpu = result.get('toolchain', {}).get('libtpu') or 'not recorded'
+  lines = [f"**{result['target']} on {result['topology']}** ({where}; libtpu {libtpu}; "
+           f"{result['date']}, {result['machine']}, `{result['command']}`)", '',
            '| program | GB read / device | floor | × floor | memory GiB / device (of '
            f"{result['hbm_bytes_per_device'] / C.GiB:.0f}) | collectives | estimate | AR steps |",
            '|---|---|---|---|---|---|---|---|']
@@ -166,7 +167,7 @@ def markdown() -> str:
   out = []
   for result in kept.values():
     out += _program_table(result) + ['']
-  return '\n'.join(out) + accelerator_tables(kept)
+  return '\n'.join(out) + '\n' + accelerator_tables(kept)
 
 
 def accelerator_tables(kept: dict) -> str:
@@ -181,13 +182,15 @@ def accelerator_tables(kept: dict) -> str:
           '| chip | source | AR step | dflash cycle | d2sd cycle | dflash speed-up | '
           'd2sd speed-up |', '|---|---|---|---|---|---|---|']
   for result in kept.values():
-    if result['target'] != 'qwen3-8b' or result['drafters'] != 'paper':
+    if (result['target'], result['drafters'], result['batch'], result['context']) != (
+        'qwen3-8b', 'paper', 1, 1024):
       continue
     est = C.step_estimates(result)
     if not {'ar', 'dflash', 'd2sd'} <= set(est):
       continue
     src = ("TPU compiler's estimate" if result['n_devices'] == 1 else
            'roofline of the compiled per-device figures')
+    src += f" (libtpu {result.get('toolchain', {}).get('libtpu') or 'not recorded'})"
     out.append(f"| {result['chip']} ({result['topology']}, model={result['mesh']['model']}) | "
                f"{src} | {1e3 * est['ar']:.2f} ms | {est['dflash'] / est['ar']:.2f} AR | "
                f"{est['d2sd'] / est['ar']:.2f} AR | "
@@ -225,7 +228,7 @@ def accelerator_tables(kept: dict) -> str:
   run = rep['runs'][section]
   rows = []
   for result in kept.values():
-    if result['target'] != 'smollm2':
+    if result['target'] != 'smollm2' or result['batch'] != 1:
       continue
     est = C.step_estimates(result)
     for method in methods:
@@ -276,6 +279,7 @@ def run() -> dict:
   return {
       'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': costmodel.machine(device=False),
       'command': ' '.join(['python benchmarks/tpu_compile.py', *sys.argv[1:]]),
+      'toolchain': C.toolchain(),
       'topology': FLAGS.topology, 'device_kind': devices[0].device_kind, 'chip': chip.name,
       'n_devices': len(devices), 'mesh': dict(mesh.shape), 'target': FLAGS.target,
       'dtype': FLAGS.dtype, 'drafters': FLAGS.drafters, 'methods': methods,

@@ -86,7 +86,8 @@ def print_compiled(kept: dict, tau_pairs: str) -> None:
   """TPU cycle costs from the TPU compiler's estimates (benchmarks/tpu_compile.py --record)."""
   est = compiled.step_estimates(kept)
   print(f"{kept['chip']} ({kept['topology']}, mesh {kept['mesh']}), {kept['target']}, batch "
-        f"{kept['batch']}, context {kept['context']}: the TPU compiler's estimates "
+        f"{kept['batch']}, context {kept['context']}: the TPU compiler's estimates, libtpu "
+        f"{kept.get('toolchain', {}).get('libtpu') or 'not recorded'} "
         f"({os.path.relpath(RECORD)}: {kept['date']}, `{kept['command']}`)")
   for method, s in est.items():
     print(f'  {method:8s} step {1e3 * s:9.3f} ms  {s / est["ar"]:5.2f} AR steps')

@@ -49,6 +49,17 @@ def test_kernel_equals_the_xla_form_on_token_trees(H, Hkv, dtype):
   assert float(jnp.max(jnp.abs(only_new[1] - want[1]))) > 1e-2
 
 
+def test_kernel_equals_the_xla_form_for_one_new_token():
+  """An AR step: one new token per row, grouped heads. Its scores take their own form
+  (`cached.new_token_scores`: Mosaic does not lower a product against one key row); a form
+  summing over the wrong axis or leaving the new token out of the softmax differs."""
+  q, k_new, v_new, kv, lens, _ = _inputs(1, 6, 2, 'bfloat16', seed=7)
+  tree = jnp.ones((len(LENGTHS), 1, 1), bool)
+  got = kernel_form(q, k_new, v_new, kv, lens, tree, interpret=True)
+  want = xla_form(q, k_new, v_new, kv, lens, tree)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_equals_the_xla_form_on_drafter_blocks():
   """Three bidirectional blocks of 4 side by side (drafter 2's re-drafts), grouped heads."""
   q, k_new, v_new, kv, lens, _ = _inputs(12, 4, 2, 'float32', seed=3)
@@ -70,8 +81,6 @@ def test_lengths_equal_the_prefix_mask_they_stand_for():
 
 def _cycle(devices, mesh_spec, method='dflash'):
   mesh = C.mesh_of(devices, mesh_spec)
-  # (batch 1: libtpu 0.0.52 fails to compile these cycles at batch 2 with or without the
-  # kernel, an internal RET_CHECK on an async-update instruction)
   prefill, step = C.decode_programs(LEAN, {'drafter1': LEAN_DRAFTER}, [method], mesh, batch=1,
                                     context=64, max_new_tokens=32, loops=False)
   prefill_row, compiled = C.compile_program(prefill, C.chip_of(devices), mesh.size)

@@ -110,3 +110,46 @@ def test_gpu_session_runs_end_to_end_at_tiny_sizes(tmp_path):
     got = stored.view(v.dtype) if v.dtype.name == 'bfloat16' else stored
     np.testing.assert_array_equal(got, v)
   assert json.loads(arrays['__meta__'].tobytes()) == meta
+
+
+def test_gpu_shapes_takes_the_chip_the_device_names():
+  """benchmarks/gpu_shapes.py's roofline chip: from the device's kind (an H100 is not costed at
+  an H200's bandwidth, nor a CPU at a GPU's), or --chip."""
+  import gpu_shapes  # pylint: disable=import-outside-toplevel
+  assert gpu_shapes.chip_for(None, 'NVIDIA H100 80GB HBM3') == 'h100'
+  assert gpu_shapes.chip_for(None, 'NVIDIA H200') == 'h200'
+  assert gpu_shapes.chip_for(None, 'cpu') is None
+  assert gpu_shapes.chip_for('h200', 'cpu') == 'h200'
+  with pytest.raises(SystemExit, match='give one of'):
+    gpu_shapes.chip_for('a100', 'cpu')
+
+
+@pytest.mark.slow
+def test_gpu_session_shapes_mode_at_tiny_sizes(tmp_path):
+  """MODE=shapes on this CPU, rehearsed at tiny shapes (--tiny): no target or drafter files
+  needed; shapes.json has, per batch, the AR step and both cycles timed, each program's floor
+  (a cycle's above the AR step's, d2sd's above dflash's: its second drafter), their ratios to
+  the roofline, and the roofline's prediction for the chip named."""
+  out = tmp_path / 'out'
+  env = {**os.environ, 'OUT': str(out), 'MODE': 'shapes',
+         'SHAPES_ARGS': '--tiny --chip h100 --repeats 1 --batch 1,2',
+         'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')}
+  env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
+  proc = subprocess.run(['bash', 'benchmarks/gpu_session.sh', '600'], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert sorted(os.listdir(out)) == ['session.log', 'shapes.json', 'shapes.log']
+  result = json.loads((out / 'shapes.json').read_text())
+  assert result['chip'] == 'h100' and result['weights'] == 'random bfloat16'
+  assert [r['batch'] for r in result['rows']] == [1, 2]
+  for row in result['rows']:
+    assert set(row['seconds']) == {'ar', 'dflash', 'd2sd'}
+    assert all(s > 0 for s in row['seconds'].values())
+    floor = row['floor_bytes']
+    assert floor['ar'] < floor['dflash'] < floor['d2sd'], floor
+    assert row['ar_steps']['d2sd'] == pytest.approx(
+        row['seconds']['d2sd'] / row['seconds']['ar'])
+    roof = row['predicted']['roofline']
+    assert roof['chip'] == 'h100' and 0 < roof['ar'] < roof['dflash'] < roof['d2sd']
+    assert row['vs_chip_bandwidth']['ar'] == pytest.approx(
+        row['seconds']['ar'] * 3.35e12 / floor['ar'])

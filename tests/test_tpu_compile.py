@@ -4,15 +4,23 @@ target's AR step and dflash cycle compiled for a v5p chip reading at most 1.1x t
 the TPU program's own form (no CPU-only column products). libtpu comes with the test extra;
 without it these tests fail, saying so, rather than skip."""
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+import tomllib
 
 import jax
 import jax.numpy as jnp
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import target as model_lib
@@ -26,9 +34,102 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tpu_devices(topology):
   if importlib.util.find_spec('libtpu') is None:
-    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it pins libtpu==0.0.52) to "
-                'compile for TPU topologies')
+    pytest.fail("libtpu is not installed: pip install -e '.[test]' (it brings jax[tpu]'s "
+                'libtpu) to compile for TPU topologies')
   return C.tpu_devices(topology)
+
+
+def _jax_tpu_requirements():
+  """The requirements the installed jax declares for its `tpu` extra."""
+  out = []
+  for line in importlib.metadata.requires('jax') or []:
+    req = Requirement(line)
+    if req.marker is not None and req.marker.evaluate({'extra': 'tpu'}) and not (
+        req.marker.evaluate({'extra': ''})):
+      out.append(req)
+  return out
+
+
+def test_installed_libtpu_is_the_one_the_installed_jax_declares():
+  """The compiler these tests and benchmarks/tpu_compile.py measure with is the one
+  `pip install 'jax[tpu]'` puts on a TPU VM: the installed libtpu satisfies the installed jax's
+  own `tpu` requirement (jax 0.10.2: libtpu==0.0.42.*). Another build compiles the same HLO
+  differently (0.0.52 fails jax 0.10.2's batch > 1 prefills; 0.0.42 refused a kernel that 0.0.52
+  took)."""
+  (want,) = [r for r in _jax_tpu_requirements() if r.name == 'libtpu']
+  tpu_devices('v5p:1x1x1')  # fails, saying how to install it, where libtpu is missing
+  have = importlib.metadata.version('libtpu')
+  assert want.specifier.contains(have, prereleases=True), (
+      f"libtpu {have} is installed, but jax {importlib.metadata.version('jax')} declares "
+      f"{want.name}{want.specifier} for its tpu extra: pip install -e '.[aot]' (or "
+      "pip install 'jax[tpu]') to get it")
+
+
+def _pyproject():
+  with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+    return tomllib.load(f)['project']
+
+
+def _extra_requirements(project, extra):
+  """The requirements an extra brings, its references to the project's own extras followed."""
+  out = []
+  for line in project['optional-dependencies'][extra]:
+    req = Requirement(line)
+    if canonicalize_name(req.name) == canonicalize_name(project['name']):
+      for inner in req.extras:
+        out += _extra_requirements(project, inner)
+    else:
+      out.append(req)
+  return out
+
+
+def test_the_tpu_extras_take_libtpu_from_jax_and_python_and_jax_are_what_the_suite_runs_on():
+  """pyproject.toml: the `tpu`, `aot` and `test` extras bring libtpu only through jax[tpu] (one
+  place: the libtpu that jax declares, never a pin of our own that drifts from it); the declared
+  jax range holds the installed jax and starts at its minor release (the one the suite runs on);
+  and `requires-python` admits no Python that jax refuses (pip then refuses at once, naming the
+  version, rather than backtracking through jax releases)."""
+  project = _pyproject()
+  for extra in ('tpu', 'aot', 'test'):
+    reqs = _extra_requirements(project, extra)
+    assert not [r for r in reqs if r.name == 'libtpu'], (
+        f"the {extra} extra pins libtpu itself: take it through jax[tpu], whose libtpu is jax's")
+    assert [r for r in reqs if r.name == 'jax' and 'tpu' in r.extras], (extra, reqs)
+  (jax_req,) = [Requirement(r) for r in project['dependencies'] if Requirement(r).name == 'jax']
+  installed = Version(importlib.metadata.version('jax'))
+  assert jax_req.specifier.contains(installed), (str(jax_req), installed)
+  lowest = [Version(s.version) for s in jax_req.specifier if s.operator == '>=']
+  assert lowest and lowest[0].release[:2] == installed.release[:2], (
+      f'{jax_req}: the lowest jax allowed is not of the {installed.major}.{installed.minor} '
+      'release the suite runs on; raise the lower bound (or test the oldest allowed in CI)')
+  ours = SpecifierSet(project['requires-python'])
+  jax_python = SpecifierSet(importlib.metadata.metadata('jax')['Requires-Python'])
+  for minor in range(6, 20):
+    assert not (f'3.{minor}' in ours and f'3.{minor}' not in jax_python), (
+        f"requires-python {ours} admits Python 3.{minor}, which jax {installed} refuses "
+        f'({jax_python}): raise it to what jax requires')
+
+
+def _documented_topologies():
+  names = set()
+  for path in ['README.md'] + [os.path.join('docs', f) for f in os.listdir(
+      os.path.join(ROOT, 'docs')) if f.endswith('.md')]:
+    with open(os.path.join(ROOT, path)) as f:
+      names |= set(re.findall(r'\bv(?:5e|5p|6e):\d+x\d+(?:x\d+)?\b', f.read()))
+  return names
+
+
+def test_tpu_devices_gives_every_topology_the_docs_name():
+  """Every topology the README and docs name, and those the decode programs are checked on,
+  gives its chips, one device each, of its chip. Under jax's own libtpu a topology smaller than
+  its default host of 2x2x1 chips (v5p:1x1x1, v5e:1x1) is refused unless laid out as one host
+  (chips_per_host_bounds)."""
+  names = _documented_topologies() | {'v5p:1x1x1', 'v5p:2x2x1', 'v5e:2x4', 'v5e:1x1'}
+  for name in sorted(names):
+    kind, shape = name.split(':')
+    devices = tpu_devices(name)
+    assert len(devices) == math.prod(int(d) for d in shape.split('x')), (name, len(devices))
+    assert C.chip_of(devices).name == f'TPU {kind}', (name, devices[0].device_kind)
 
 
 class MeshShape:
@@ -115,6 +216,30 @@ def test_tpu_step_and_cycle_read_at_most_1_1x_their_floor_in_the_tpu_form():
     assert r['estimate_source'] == 'compiler' and r['estimate_s'] > 0
   # the dflash cycle reads the AR step's weights and a drafter pass more, not less
   assert rows['dflash', 'step']['bytes_per_device'] > rows['ar', 'step']['bytes_per_device']
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+def test_ar_step_and_d2sd_cycle_compile_on_the_fused_kernels(batch):
+  """For a v5p chip, at batch 1 and 2: the AR step (one new token per row) and a d2sd cycle
+  (a 36-node tree per row) compile, every target and drafter layer on fused.py's kernels
+  (head dim 128). A kernel form that Mosaic does not lower (a score product against one key
+  row: "Not implemented: Lane broadcast") fails the AR step; a `fits` that sends these shapes
+  to the XLA form leaves too few kernel calls."""
+  devices = tpu_devices('v5p:1x1x1')
+  mesh = C.mesh_of(devices, 'data=1,model=1')
+  dcfgs = {'drafter1': LEAN_DRAFTER, 'drafter2': LEAN_DRAFTER}
+  programs = C.decode_programs(LEAN, dcfgs, ['ar', 'd2sd'], mesh, batch=batch, context=64,
+                               max_new_tokens=32, loops=False)
+  on_device = jax.sharding.SingleDeviceSharding(devices[0])
+  for prefill, step in zip(programs[::2], programs[1::2]):
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device),
+                         prefill.abstract_output())
+    step.args = step.args[:3] + (state,)
+    _, compiled = C.compile_program(step, C.chip_of(devices), 1)
+    calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    # attention half + MLP per target layer, and per drafter layer in each of d2sd's 2 passes
+    layers = LEAN.n_layers + (2 * LEAN_DRAFTER.n_layers if step.method == 'd2sd' else 0)
+    assert calls >= 2 * layers, (step.method, batch, calls)
 
 
 @pytest.mark.slow
@@ -235,3 +360,28 @@ def test_speedups_at_the_paper_tau_only_for_its_gamma_and_a_train_header_without
                         timeout=300, check=True)
   header = proc.stdout.splitlines()[0]
   assert header == 'v5e:2x2 (TPU v5 lite, 4 devices, 16 GiB each), target T', proc.stdout
+
+
+@pytest.mark.slow
+def test_markdown_names_the_libtpu_and_the_batch_1_table_takes_batch_1(tmp_path, monkeypatch):
+  """benchmarks/tpu_compile.py --markdown on a record holding one v5p chip at batch 1 and at
+  batch 8: each program table names its libtpu and stands apart from the next block (a blank
+  line), and the speed-up table, titled batch 1, has one v5p row, the batch-1 record's (a
+  batch-8 record with its dearer AR step there would be a second row, or the only one)."""
+  sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+  import tpu_compile  # pylint: disable=import-outside-toplevel
+  with open(tpu_compile.RECORD) as f:
+    kept = json.load(f)
+  one = kept[next(k for k in kept if k.startswith('TPU v5p|qwen3-8b|paper|mesh=1x1|batch=1|'))]
+  eight = json.loads(json.dumps({**one, 'batch': 8, 'toolchain': {'libtpu': '9.9.9'}}))
+  for p in eight['programs']:
+    p['estimate_s'] *= 3
+  record = tmp_path / 'tpu_compile.json'
+  record.write_text(json.dumps({'a': one, 'b': eight}))
+  monkeypatch.setattr(tpu_compile, 'RECORD', str(record))
+  text = tpu_compile.markdown()
+  assert f"libtpu {one['toolchain']['libtpu']};" in text and 'libtpu 9.9.9;' in text
+  assert "|\n\n**Qwen3-8B, the paper's drafters" in text
+  rows = [line for line in text.splitlines() if line.startswith('| TPU v5p (v5p:1x1x1')]
+  est = C.step_estimates(one)
+  assert len(rows) == 1 and f"| {1e3 * est['ar']:.2f} ms |" in rows[0], rows

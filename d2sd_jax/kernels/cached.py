@@ -80,12 +80,22 @@ def flash_step(q_Rxhd, j, length, k_ref, v_ref, new_kv, bias_ref, o_ref, m_sc, l
   @pl.when(j == n_blocks - 1)
   def _new_tokens():
     k_new, v_new = new_kv()
-    s = jax.lax.dot_general(q_Rxhd, k_new.astype(f32), nt, preferred_element_type=f32)
+    s = new_token_scores(q_Rxhd, k_new.astype(f32))
     update(s + bias_ref[0], v_new)
     out_Rxhd = acc_sc[...] / l_sc[...]
     hd = out_Rxhd.shape[-1]
     for g in range(out_Rxhd.shape[0] // T):  # query head g of the group: lanes g·hd.. of [T, Hg·hd]
       o_ref[0, :, g * hd:(g + 1) * hd] = out_Rxhd[g * T:(g + 1) * T].astype(o_ref.dtype)
+
+
+def new_token_scores(q_Rxhd, k_Txhd):
+  """q k^T [R, T] in float32. One new token (an AR step) takes the lanes' sum of q * k: Mosaic
+  (libtpu 0.0.42, jax 0.10's) does not lower a product against a single key row ("Not
+  implemented: Lane broadcast"). The same sum of products either way."""
+  if k_Txhd.shape[0] == 1:
+    return jnp.sum(q_Rxhd * k_Txhd, axis=1, keepdims=True)
+  return jax.lax.dot_general(q_Rxhd, k_Txhd, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, bias_ref, o_ref, m_sc, l_sc, acc_sc,

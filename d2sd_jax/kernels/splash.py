@@ -74,7 +74,7 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
   split = partition.kernel_axes(B, Hkv)
   if split:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
-    mesh, rows, heads = split
+    mesh, rows, heads = axes
     spec = jax.sharding.PartitionSpec(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                           check_vma=False)

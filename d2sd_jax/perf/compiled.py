@@ -96,10 +96,12 @@ PAPER_SPEEDUP_H200 = {'dflash': 4.16, 'd2sd': 4.98}  # the same runs' speed-ups 
 
 
 def tpu_devices(topology: str):
-  """Compile-only devices of a TPU topology ('v5e:2x4', 'v5p:1x1x1', ...)."""
+  """Compile-only devices of a TPU topology ('v5e:2x4', 'v5p:1x1x1', ...). A topology smaller
+  than libtpu's default host (2x2x1 chips in the builds jax 0.10 declares) is laid out as one
+  host of that size (`chips_per_host_bounds`), as a single-chip VM is."""
   if importlib.util.find_spec('libtpu') is None:
     raise RuntimeError("compiling for a TPU topology needs libtpu: pip install -e '.[aot]' "
-                       '(libtpu==0.0.52, which pairs with jax 0.10)')
+                       "(the libtpu that the installed jax's `tpu` extra declares)")
   # libtpu takes a lock (/tmp/libtpu_lockfile) so that one process owns a host's TPU; these
   # devices are compile-only, and several processes (test workers) may compile at once.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
@@ -107,8 +109,38 @@ def tpu_devices(topology: str):
   try:
     return topologies.get_topology_desc(platform='tpu', topology_name=topology).devices
   except Exception as e:  # libtpu's own message
-    raise ValueError(f'topology {topology!r}: {e}. Give one such as v5e:2x4, v5p:1x1x1, '
-                     'v4:2x2x1 or v6e:2x2') from e
+    error = e
+  bounds = _host_bounds(topology)
+  if bounds is not None and 'chips_per_host_bounds' in str(error):
+    try:
+      return topologies.get_topology_desc(platform='tpu', topology_name=topology,
+                                          chips_per_host_bounds=bounds).devices
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+  raise ValueError(f'topology {topology!r}: {error}. Give one such as v5e:2x4, v5p:1x1x1, '
+                   'v4:2x2x1 or v6e:2x2') from error
+
+
+def _host_bounds(topology: str):
+  """(x, y, z) chips of a topology name 'kind:XxY[xZ]' (one host holding all of it), or None
+  when the name has no such shape."""
+  match = re.fullmatch(r'[\w.]+:(\d+)x(\d+)(?:x(\d+))?', topology)
+  if match is None:
+    return None
+  return tuple(int(d) if d else 1 for d in match.groups())
+
+
+def toolchain() -> dict:
+  """The versions a compiled figure depends on: {'jax', 'jaxlib', 'libtpu'} (None where not
+  installed). Two libtpu builds compile the same HLO differently; every kept figure names its."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in ('jax', 'jaxlib', 'libtpu'):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
 
 
 def chip_of(devices) -> TpuChip:
