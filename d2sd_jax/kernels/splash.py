@@ -16,9 +16,9 @@ the kernel. Batch rows go through `jax.vmap`. With `interpret=True` the same ker
 CPU through Pallas' interpreter (tests/test_splash.py checks it against the einsum).
 
 Over a mesh the kernel, a custom call XLA cannot partition, runs per device on its own rows and
-heads (`shard_map`: rows over 'data', KV heads over 'model', as `models.sharding.RULES` split them; a
-dimension the axis does not divide stays whole), so programs over a mesh are traced under it
-(`models.sharding.tracing_under`: its abstract mesh).
+heads (`shard_map`: rows over 'data', KV heads over 'model', as `models.sharding.RULES` split
+them; a dimension the axis does not divide stays whole), so programs over a mesh are traced
+under it (`models.sharding.tracing_under`: its abstract mesh).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def causal(q_BxTxHxhd, k_BxHkvxTxhd, v_BxHkvxTxhd, interpret: bool = False):
   split = partition.kernel_axes(B, Hkv)
   if split:
     # (every axis manual: a Mosaic call cannot be left to XLA on any axis, even one of size 1)
-    mesh, rows, heads = axes
+    mesh, rows, heads = split
     spec = jax.sharding.PartitionSpec(rows, heads, None, None)
     local = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                           check_vma=False)
