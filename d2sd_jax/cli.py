@@ -67,6 +67,14 @@ def _fail_unless_traceback(e: BaseException, context: str = ''):
   fail(e, context)
 
 
+def run_script(main) -> None:
+  """main() of an argparse script, its user errors as one line on stderr and exit status 2."""
+  try:
+    main()
+  except USER_ERRORS as e:
+    _fail_unless_traceback(e)
+
+
 def run(main, meant=None) -> None:
   """app.run(main) with user errors as one line on stderr and exit status 2; `meant(field)`:
   the config field an unknown one likely means, or None (config_check.closest)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from d2sd_jax import cli
 from d2sd_jax.formats import dflash_format
@@ -52,9 +51,4 @@ def main():
 
 
 if __name__ == '__main__':
-  try:
-    main()
-  except cli.USER_ERRORS as e:  # one line on stderr, exit status 2 (as decode.py)
-    if os.environ.get('D2SD_TRACEBACK'):
-      raise
-    cli.fail(e)
+  cli.run_script(main)  # user errors: one line on stderr, exit status 2 (as decode.py)

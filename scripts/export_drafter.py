@@ -35,9 +35,4 @@ def main():
 
 
 if __name__ == '__main__':
-  try:
-    main()
-  except cli.USER_ERRORS as e:  # one line on stderr, exit status 2 (as decode.py)
-    if os.environ.get('D2SD_TRACEBACK'):
-      raise
-    cli.fail(e)
+  cli.run_script(main)  # user errors: one line on stderr, exit status 2 (as decode.py)
