@@ -1,6 +1,8 @@
 """Drafter 2's training recipe (train/losses.py, train/blocks.py): the
 reference's prefix prior and loss normalisation, distinct anchors, and blocks placed at drafter
 1's first rejection with the rejected token forbidden."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +11,10 @@ import pytest
 from d2sd_jax.models import drafter as D
 from d2sd_jax.models import target as M
 from d2sd_jax.train import blocks, losses, training
+import test_drafter
 import test_training
 
-DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=24, n_heads=4, n_kv_heads=2, head_dim=6,
-                       d_ff=40, feature_layers=(0, 1, 2), rope_base=10000.0, norm_eps=1e-6)
+DCFG = dataclasses.replace(test_drafter.DCFG, gamma=5, n_layers=1)  # the same tiny drafter
 
 
 @pytest.fixture(scope='module')
