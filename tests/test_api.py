@@ -96,6 +96,40 @@ def test_prompt_width_runs_prompts_of_other_lengths_in_one_program(tiny_folder, 
     dec.generate(short, 12, prompt_width=-1)
 
 
+@pytest.fixture
+def compiles():
+  """A list that grows by one for every XLA compilation during the test (jax.monitoring)."""
+  seen = []
+
+  def listen(event, _secs, **_):
+    if event == '/jax/core/compile/backend_compile_duration':
+      seen.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  yield seen
+  jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_another_max_new_tokens_compiles_nothing(tiny_folder, tiny_drafters, compiles):
+  """max_new_tokens is an argument of the compiled programs, under a static bound: after one
+  call, calls for fewer or more tokens (up to the bound) compile nothing (no prefill, loop,
+  step or state set-up), and each stops exactly where a call of its own length does: greedy,
+  the first tokens of the longer call's."""
+  dec = d2sd_jax.load(tiny_folder, **tiny_drafters)
+  prompts = ['abcabcab', 'hello hello']
+  for method in ('ar', 'd2sd'):
+    longest = dec.generate(prompts, 24, chat=False, method=method).ids
+    assert all(len(row) == 24 for row in longest), method  # (no EOS: each length is exact)
+    before = len(compiles)
+    for n in (9, 1, 30):
+      out = dec.generate(prompts, n, chat=False, method=method)
+      assert out.stats['compile_s'] == 0, (method, n)
+      if n <= 24:
+        assert out.ids == [row[:n] for row in longest], (method, n)
+      else:
+        assert [row[:24] for row in out.ids] == longest and len(out.ids[0]) == n, method
+    assert len(compiles) == before, (method, compiles[before:])
+
+
 def _scaled(target, factor):
   """The target with every weight multiplied by `factor`: another model of the same shapes."""
   return dataclasses.replace(target, params=jax.tree.map(lambda x: x * factor, target.params))

@@ -89,7 +89,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
     before = runner.compile_s
     part_ids, part = runner_lib.decode_prompts(runner, tok, prompt_ids[start:start + step], batch,
-                                               options.seed, width=longest, first_row=start)
+                                               options.seed, width=longest, first_row=start,
+                                               max_new=options.max_new_tokens)
     compile_s += runner.compile_s - before
     ids += part_ids
     tokens = sum(map(len, part_ids)) - len(part_ids)  # the first of each row is the prefill's
@@ -157,12 +158,14 @@ def _time_candidate(target, drafters, options, tok, prompt_ids, longest, limit, 
   The program runs twice and the second run is timed: a compiled program's first run pays a
   one-off cost, large against 32 steps, that would make every other candidate look faster
   than it."""
-  timing = dataclasses.replace(options, max_new_tokens=min(autoconfig.AR_TIMING_TOKENS,
-                                                           options.max_new_tokens))
-  runner = _runner(target, drafters, timing, tok, longest, limit, batch, runners)
+  # (the request's runner, decoding fewer tokens: the timing compiles nothing of its own)
+  runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
+  max_new = min(autoconfig.AR_TIMING_TOKENS, options.max_new_tokens)
   before = runner.compile_s
-  runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest)
-  ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest)
+  runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest,
+                            max_new=max_new)
+  ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest,
+                                     max_new=max_new)
   tokens = sum(map(len, ids)) - len(ids)
   record = autoconfig.learn(path, {'decode_tokens': tokens,
                                    'cycles': tokens if label == 'ar' else t['cycles'],
@@ -172,16 +175,24 @@ def _time_candidate(target, drafters, options, tok, prompt_ids, longest, limit, 
 
 
 def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict):
-  """The compiled runner of these options, made once per key (kept in `runners`)."""
+  """A compiled runner for these options, kept in `runners`: one already made whose bound on
+  new tokens covers options.max_new_tokens (a call with another length compiles nothing), or
+  a new one with the bound `runner_lib.new_tokens_bound` gives."""
   settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
   spec = options_lib.spec_fields(options, drafters)
+  block = runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET)
   # A runner's decode loop compiles for one batch shape: the batch is part of the key.
-  key = (options.method, settings, runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET), limit,
+  key = (options.method, settings.eos_ids, settings.pad_id, settings.sampling, block, limit,
          batch, tuple(sorted(spec.items())))
-  if key not in runners:
-    runners[key] = runner_lib.make_runner(target, settings, options.method, longest, limit,
-                                          drafters, **spec)
-  return runners[key]
+  made = runners.setdefault(key, {})  # bound -> runner
+  fits = [b for b in made if b >= options.max_new_tokens]
+  if fits:
+    return made[min(fits)]
+  bound = runner_lib.new_tokens_bound(options.max_new_tokens, block, limit)
+  made[bound] = runner_lib.make_runner(
+      target, dataclasses.replace(settings, max_new_tokens=bound), options.method, longest,
+      limit, drafters, **spec)
+  return made[bound]
 
 
 def _drafters_for(target, config, options, wanted) -> tuple[list[str], str]:

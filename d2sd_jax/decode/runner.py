@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
@@ -15,6 +16,10 @@ PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill p
 
 CACHE_BUCKET = 64
 
+# The programs are compiled for a bound on new tokens, a multiple of this; each run's own limit
+# is an argument, so runs of other lengths up to the bound reuse them.
+NEW_TOKENS_BUCKET = 128
+
 
 def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
@@ -24,8 +29,11 @@ class Runner:
   """Compiles a method's prefill and decode loop once per shape and times them apart, with the
   compiler options of the platform the parameters are on (models/xla_options.py).
 
-  `prefill(params, prompts, lens, keys) -> state` and `loop(params, state) -> state` are the
-  method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the results.
+  `prefill(params, prompts, lens, keys, max_new) -> state` and `loop(params, state) -> state`
+  are the method's two programs (the loop is one `lax.while_loop`); `outputs(state)` reads the
+  results. They are compiled for the settings' bound on new tokens (`max_new_tokens`); the
+  limit of each run, `max_new`, is a traced argument: any limit up to the bound compiles
+  nothing new.
   """
 
   def __init__(self, params, cfg, prefill_fn, loop_fn, static, cache_size: int):
@@ -34,12 +42,18 @@ class Runner:
     self.compile_s = 0.0
     self._prefill, self._loop = {}, {}  # compiled programs by prompt block shape
 
-  def _compiled_prefill(self, prompts, lens, keys):
+  @property
+  def max_new_tokens(self) -> int:
+    """The bound on new tokens the programs are compiled for."""
+    settings = self._static
+    return getattr(settings, 'generation', settings).max_new_tokens
+
+  def _compiled_prefill(self, prompts, lens, keys, max_new):
     if prompts.shape not in self._prefill:
       t = time.perf_counter()
       fn = jax.jit(self._prefill_fn, static_argnames=('cfg', 'settings', 'cache_size'))
       self._prefill[prompts.shape] = fn.lower(self.params, self.cfg, self._static, prompts, lens,
-                                              keys, self.cache_size).compile(
+                                              keys, self.cache_size, max_new).compile(
                                                   xla_options.for_arrays(self.params))
       self.compile_s += time.perf_counter() - t
     return self._prefill[prompts.shape]
@@ -53,10 +67,19 @@ class Runner:
       self.compile_s += time.perf_counter() - t
     return self._loop[shape]
 
-  def __call__(self, prompts_BxP, lens_B, keys_B):
-    prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B)
+  def new_token_limit(self, max_new: int | None):
+    """`max_new` (None: the bound) as the prefill's argument, checked against the bound."""
+    max_new = self.max_new_tokens if max_new is None else max_new
+    if not 1 <= max_new <= self.max_new_tokens:
+      raise ValueError(f'max_new_tokens={max_new} is outside 1..{self.max_new_tokens}, the '
+                       'bound these programs were compiled for')
+    return jnp.asarray(max_new, jnp.int32)
+
+  def __call__(self, prompts_BxP, lens_B, keys_B, max_new: int | None = None):
+    limit = self.new_token_limit(max_new)
+    prefill = self._compiled_prefill(prompts_BxP, lens_B, keys_B, limit)
     t0 = time.perf_counter()
-    state = jax.block_until_ready(prefill(self.params, prompts_BxP, lens_B, keys_B))
+    state = jax.block_until_ready(prefill(self.params, prompts_BxP, lens_B, keys_B, limit))
     t1 = time.perf_counter()
     loop = self._compiled_loop(state, prompts_BxP.shape)
     t1b = time.perf_counter()  # compilation is not decode time
@@ -84,12 +107,13 @@ class SpecRunner(Runner):
                      SP.cache_size_needed(prompt_len, settings))
     self.settings = settings
 
-  def stage_times(self, prompts_BxP, lens_B, keys_B, repeats: int = 5) -> dict:
+  def stage_times(self, prompts_BxP, lens_B, keys_B, max_new=None, repeats: int = 5) -> dict:
     """Median ms of each stage of one cycle, each compiled and run alone on the state after
     the prefill (inside the real loop they are one program: this is the breakdown)."""
     params, cfg, st = self.params, self.cfg, self.settings
-    state = self._compiled_prefill(prompts_BxP, lens_B, keys_B)(params, prompts_BxP, lens_B,
-                                                                 keys_B)
+    limit = self.new_token_limit(max_new)
+    state = self._compiled_prefill(prompts_BxP, lens_B, keys_B, limit)(
+        params, prompts_BxP, lens_B, keys_B, limit)
     draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
     verify = jax.jit(SP.verify, static_argnames=('cfg', 'settings'))
     accept = jax.jit(SP.accept_and_commit, static_argnames=('settings',))
@@ -133,9 +157,17 @@ def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int,
   return limit
 
 
+def new_tokens_bound(max_new_tokens: int, prompt_block: int, limit: int) -> int:
+  """The bound on new tokens to compile for: max_new_tokens rounded up to NEW_TOKENS_BUCKET,
+  where the usable cache (`limit`) has room for it after the prompt block."""
+  return max(max_new_tokens, min(round_up(max_new_tokens, NEW_TOKENS_BUCKET),
+                                 limit - prompt_block))
+
+
 def make_runner(target, settings: ar.GenerationSettings, method: str, longest: int, limit: int,
                 drafters: dict, **spec_fields) -> Runner:
-  """The AR or speculative runner for prompts of up to `longest` tokens.
+  """The AR or speculative runner for prompts of up to `longest` tokens, compiled for up to
+  settings.max_new_tokens new tokens (new_tokens_bound).
 
   drafters: {'drafter1': (DrafterConfig, params), ...} as the method needs (drafting.Method.drafters);
   spec_fields: the other SpecSettings fields (gamma, n_branches, steps, ...)."""
@@ -155,8 +187,9 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
 
 
 def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
-                   width: int | None = None, first_row: int = 0):
-  """Generates for every prompt in batches of `batch_size`. Returns (completion ids per prompt,
+                   width: int | None = None, first_row: int = 0, max_new: int | None = None):
+  """Generates up to `max_new` tokens (None: the runner's bound) for every prompt in batches of
+  `batch_size`. Returns (completion ids per prompt,
   stats dict: prefill_s, decode_s, decode_steps, cycles, hist, expected, first_batch).
 
   Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
@@ -176,8 +209,8 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
     block = block[:, :runner.cache_size]  # only padding is cut: cache >= longest + new tokens
     keys = ar.row_keys(seed, [first_row + r for r in rows + [rows[0]] * (B - len(rows))])
     if start == 0:
-      stats['first_batch'] = (block, lens, keys)
-    state, t_prefill, t_decode = runner(block, lens, keys)
+      stats['first_batch'] = (block, lens, keys, max_new)
+    state, t_prefill, t_decode = runner(block, lens, keys, max_new)
     stats['prefill_s'] += t_prefill
     stats['decode_s'] += t_decode
     out_ids, counts, steps, row_cycles, row_hist, row_expected = runner.outputs(state)

@@ -19,7 +19,11 @@ from d2sd_jax.models import sampling as sampling_lib
 
 @dataclasses.dataclass(frozen=True)
 class GenerationSettings:
-  """Static settings of one compiled generation program."""
+  """Static settings of one compiled generation program.
+
+  max_new_tokens bounds the new tokens of a run (the width of its output buffer and of the
+  caches' room for them). A run may stop sooner: the prefill's `max_new` argument is traced, so
+  every limit up to the bound runs the same compiled programs."""
   max_new_tokens: int
   eos_ids: tuple[int, ...]
   pad_id: int
@@ -37,7 +41,8 @@ class DecodeState:
   last_token_B: jax.Array  # newest committed token, not yet in the cache
   out_BxN: jax.Array  # generated tokens, pad after each row's end
   num_out_B: jax.Array  # tokens generated per row (EOS included)
-  done_B: jax.Array  # row finished (EOS or max_new_tokens)
+  done_B: jax.Array  # row finished (EOS or its limit of new tokens)
+  max_new_B: jax.Array  # each row's limit of new tokens (new_token_limits)
   row_key_B: jax.Array  # per-row PRNG keys (raw uint32 [B, 2])
   steps: jax.Array  # forward passes run by the decode loop
 
@@ -52,6 +57,14 @@ def sample_rows(logits_BxV, row_key_B, token_index_B, sampling):
   """Token n of row b is drawn with key fold_in(row_key_b, n)."""
   keys = jax.vmap(jax.random.fold_in)(row_key_B, token_index_B)
   return jax.vmap(lambda k, lg: sampling_lib.sample(k, lg[None], sampling)[0])(keys, logits_BxV)
+
+
+def new_token_limits(settings: GenerationSettings, max_new, batch: int) -> jax.Array:
+  """Each row's limit of new tokens, int32 [B]: `max_new` (a traced scalar, or None for the
+  bound), capped by the settings' bound."""
+  bound = settings.max_new_tokens
+  limit = bound if max_new is None else jnp.clip(jnp.asarray(max_new, jnp.int32), 1, bound)
+  return jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,))
 
 
 def is_eos(tokens, eos_ids):
@@ -76,16 +89,18 @@ def prefill_prompts(params, cfg: model_lib.ModelConfig, settings: GenerationSett
 
 
 def prefill(params, cfg: model_lib.ModelConfig, settings: GenerationSettings, prompt_BxP,
-            prompt_len_B, row_key_B, cache_size: int) -> DecodeState:
-  """Fills the cache with the prompts and samples each row's first new token."""
+            prompt_len_B, row_key_B, cache_size: int, max_new=None) -> DecodeState:
+  """Fills the cache with the prompts and samples each row's first new token. max_new: this
+  run's limit of new tokens (traced; None: settings.max_new_tokens)."""
   B = prompt_BxP.shape[0]
+  max_new_B = new_token_limits(settings, max_new, B)
   token_B, cache, _ = prefill_prompts(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B,
                                       cache_size)
   out_BxN = jnp.full((B, settings.max_new_tokens), settings.pad_id, jnp.int32).at[:, 0].set(token_B)
-  done_B = is_eos(token_B, settings.eos_ids) | (settings.max_new_tokens <= 1)
+  done_B = is_eos(token_B, settings.eos_ids) | (max_new_B <= 1)
   return DecodeState(cache=cache, cache_len_B=prompt_len_B.astype(jnp.int32), last_token_B=token_B,
                      out_BxN=out_BxN, num_out_B=jnp.ones((B,), jnp.int32), done_B=done_B,
-                     row_key_B=row_key_B, steps=jnp.zeros((), jnp.int32))
+                     max_new_B=max_new_B, row_key_B=row_key_B, steps=jnp.zeros((), jnp.int32))
 
 
 def decode_step(params, cfg: model_lib.ModelConfig, settings: GenerationSettings,
@@ -102,7 +117,7 @@ def decode_step(params, cfg: model_lib.ModelConfig, settings: GenerationSettings
       jnp.where(live_B, token_B, settings.pad_id), mode='drop')
   num_out_B = state.num_out_B + live_B
   done_B = state.done_B | (live_B & (is_eos(token_B, settings.eos_ids) |
-                                     (num_out_B >= settings.max_new_tokens)))
+                                     (num_out_B >= state.max_new_B)))
   return state.replace(cache=cache, cache_len_B=state.cache_len_B + live_B,
                        last_token_B=jnp.where(live_B, token_B, state.last_token_B),
                        out_BxN=out_BxN, num_out_B=num_out_B, done_B=done_B,
@@ -116,9 +131,11 @@ def decode_loop(params, cfg: model_lib.ModelConfig, settings: GenerationSettings
                             lambda s: decode_step(params, cfg, settings, s), state)
 
 
-def decode(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B, cache_size: int):
+def decode(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B, cache_size: int,
+           max_new=None):
   """Prefill + decode as one function (jit it with cfg, settings and cache_size static)."""
-  state = prefill(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B, cache_size)
+  state = prefill(params, cfg, settings, prompt_BxP, prompt_len_B, row_key_B, cache_size,
+                  max_new)
   return decode_loop(params, cfg, settings, state)
 
 

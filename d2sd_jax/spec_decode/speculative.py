@@ -120,7 +120,8 @@ class SpecState:
   seq_len_B: jax.Array  # int32: committed tokens; the last one is the next cycle's anchor
   prompt_len_B: jax.Array  # int32
   num_out_B: jax.Array  # int32: generated tokens so far (EOS included)
-  done_B: jax.Array  # bool: EOS committed or max_new_tokens reached
+  done_B: jax.Array  # bool: EOS committed or the row's limit of new tokens reached
+  max_new_B: jax.Array  # int32: each row's limit of new tokens (ar.new_token_limits)
   row_key_B: jax.Array  # PRNG key per row (fold_in(seed, prompt index): batch-independent)
   cycles_B: jax.Array  # int32: verification cycles run while the row was live
   accepted_hist_BxC: jax.Array  # int32 [B, C]: cycles that accepted c draft tokens, c < C
@@ -181,10 +182,12 @@ def _write_drafter_context(params, settings, caches, features_BxTxNxD, positions
 
 
 def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, prompt_BxP,
-               prompt_len_B, row_key_B, cache_size: int) -> SpecState:
-  """Prefill the prompts (target cache and drafter contexts) and commit each row's first token."""
+               prompt_len_B, row_key_B, cache_size: int, max_new=None) -> SpecState:
+  """Prefill the prompts (target cache and drafter contexts) and commit each row's first token.
+  max_new: this run's limit of new tokens (traced; None: the settings' max_new_tokens)."""
   gen = settings.generation
   B, P = prompt_BxP.shape
+  max_new_B = ar.new_token_limits(gen, max_new, B)
   first_B, cache, feats = ar.prefill_prompts(
       params['target'], cfg, gen, prompt_BxP, prompt_len_B, row_key_B, cache_size,
       settings.feature_layers)
@@ -197,10 +200,11 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
   seq = jnp.full((B, L), gen.pad_id, jnp.int32).at[:, :P].set(prompt_BxP)
   seq = jnp.where(jnp.arange(L)[None] < prompt_len_B[:, None], seq, gen.pad_id)
   seq = seq.at[jnp.arange(B), prompt_len_B].set(first_B)
-  done = ar.is_eos(first_B, gen.eos_ids) | (gen.max_new_tokens <= 1)
+  done = ar.is_eos(first_B, gen.eos_ids) | (max_new_B <= 1)
   return SpecState(cache=cache, cache_len_B=prompt_len_B, seq_BxL=seq,
                    seq_len_B=prompt_len_B + 1, prompt_len_B=prompt_len_B,
-                   num_out_B=jnp.ones((B,), jnp.int32), done_B=done, row_key_B=row_key_B,
+                   num_out_B=jnp.ones((B,), jnp.int32), done_B=done, max_new_B=max_new_B,
+                   row_key_B=row_key_B,
                    cycles_B=jnp.zeros((B,), jnp.int32),
                    accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
                    expected_B=jnp.zeros((B,), jnp.float32),
@@ -276,7 +280,7 @@ def accept(settings: SpecSettings, tree: tree_lib.Tree, v: Verified, accept_key_
 def committed_tokens(gen: ar.GenerationSettings, state: SpecState, path_tokens_BxC,
                      acc: Accepted):
   """What this cycle commits: the accepted drafts then the bonus, cut exactly where AR stops
-  (after an EOS, or at max_new_tokens). Returns (tokens [B, C], count [B], hit_eos [B])."""
+  (after an EOS, or at the row's limit of new tokens). Returns (tokens [B, C], count [B], hit_eos [B])."""
   C = path_tokens_BxC.shape[1]
   j = jnp.arange(C)[None]
   n_acc = acc.accept_len_B[:, None]
@@ -285,7 +289,7 @@ def committed_tokens(gen: ar.GenerationSettings, state: SpecState, path_tokens_B
                                                            gen.pad_id))
   is_eos_BxC = ar.is_eos(new_BxC, gen.eos_ids) & (j <= n_acc)
   first_eos_B = jnp.min(jnp.where(is_eos_BxC, j, C), axis=1)
-  room_B = gen.max_new_tokens - state.num_out_B
+  room_B = state.max_new_B - state.num_out_B
   n_commit_B = jnp.minimum(jnp.minimum(acc.accept_len_B + 1, first_eos_B + 1), room_B)
   n_commit_B = jnp.where(state.done_B, 0, n_commit_B)
   return new_BxC, n_commit_B, first_eos_B < n_commit_B
@@ -333,7 +337,7 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
     draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
                                           state.cache_len_B)
   num_out = state.num_out_B + n_commit_B
-  done = state.done_B | (live_B & (hit_eos_B | (num_out >= gen.max_new_tokens)))
+  done = state.done_B | (live_B & (hit_eos_B | (num_out >= state.max_new_B)))
   hist = state.accepted_hist_BxC.at[rows, acc.accept_len_B].add(live_B)
   return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
@@ -367,6 +371,7 @@ def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
 
 
 def generated(state: SpecState, max_new_tokens: int):
-  """[B, max_new_tokens] generated tokens (pad after each row's end)."""
+  """[B, max_new_tokens] generated tokens (pad after each row's end); max_new_tokens: the
+  settings' bound (or less)."""
   idx = state.prompt_len_B[:, None] + jnp.arange(max_new_tokens)[None]
   return jnp.take_along_axis(state.seq_BxL, idx, 1)

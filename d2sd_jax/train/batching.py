@@ -59,8 +59,8 @@ def empty_state(cfg: model_lib.ModelConfig, st: BatchSettings) -> ar.DecodeState
   return ar.DecodeState(
       cache=model_lib.init_cache(cfg, B, st.cache_size), cache_len_B=zeros(),
       last_token_B=zeros(), out_BxN=jnp.full((B, gen.max_new_tokens), gen.pad_id, jnp.int32),
-      num_out_B=zeros(),
-      done_B=jnp.ones((B,), bool), row_key_B=jnp.zeros((B, 2), jnp.uint32),
+      num_out_B=zeros(), done_B=jnp.ones((B,), bool),
+      max_new_B=jnp.full((B,), gen.max_new_tokens, jnp.int32), row_key_B=jnp.zeros((B, 2), jnp.uint32),
       steps=jnp.zeros((), jnp.int32))
 
 
