@@ -67,7 +67,7 @@ class _Decoder:
   def generate(self, prompts, tokens, *, method, prompt_width, **kw):
     self.calls.append((prompts[0], method, prompt_width, kw.get('seed'),
                        os.environ.get('D2SD_AUTO_CACHE')))
-    ids = [[hash(prompts[0]) % 7] * 7]
+    ids = [[len(prompts[0])] * 7]  # (never the wrong output, [0] * 7)
     if method == 'pld' and prompts[0] == self.wrong:
       ids = [[0] * 7]
     stats = {'prompts': 1, 'new_tokens': 7, 'decode_s': 3.0 if method == 'ar' else 1.5}
