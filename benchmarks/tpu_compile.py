@@ -264,10 +264,10 @@ def run() -> dict:
   xla = dict(kv.split('=', 1) for kv in FLAGS.xla)
   rows = C.compile_all(programs, chip, mesh.size, log=lambda s: print(s, flush=True), xla=xla)
   if FLAGS.train is not None:
-    from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
+    from d2sd_jax.train import schema, training  # pylint: disable=import-outside-toplevel
     config = FLAGS.train
     config.target = FLAGS.target  # (the drafter follows this target: feature layers, width...)
-    training.validate(config)
+    schema.validate(config)
     train_tcfg = C.target_config(FLAGS.target, config.get('dtype', 'float32'))
     mesh_cfg = config.get('mesh') or {'data': -1, 'model': 1}
     train_mesh = C.sharding.make_mesh(mesh_cfg['data'], mesh_cfg['model'], devices)

@@ -1,16 +1,14 @@
 """Train drafter 2 (the variable-prefix drafter) for the SmolLM2 target.
 
   python train.py --config configs/drafter2.py
-"""
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-import drafter1  # pylint: disable=wrong-import-position
+The fields are configs/drafter1.py's (d2sd_jax/train/schema.py); these differ.
+"""
+from d2sd_jax.train import schema
 
 
 def get_config():
-  c = drafter1.get_config()
+  c = schema.default_config()
   c.kind = 'drafter2'  # prefix length l ~ beta^l, loss over positions l+1.. weighted by tau
   c.workdir = 'runs/drafter2'
   c.init_from = 'drafters/smollm2-drafter1'  # start from drafter 1 ('' = from scratch)

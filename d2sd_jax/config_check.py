@@ -1,14 +1,61 @@
-"""Start-up checks of ml_collections configs: unknown fields are named, with the closest known.
+"""Configs from their schemas, and the start-up checks of their fields.
 
-A config file written by hand (or copied from an older version) can carry a misspelt field
-that would otherwise be ignored silently; `check_fields` refuses it before anything loads.
+Each command's config has one schema: dataclasses whose fields carry the name, the default and
+(in a comment) the meaning of every field (train.py: `train.schema.TrainConfig`; decode.py:
+`decode.options.Options`, `decode.options.Run` and SpecSettings' knobs). `as_config` turns a
+schema into the ConfigDict a config file returns, and `schema_fields` into the field list
+`check_fields` refuses unknown fields by: a config file written by hand (or copied from an older
+version) can carry a misspelt field that would otherwise be ignored silently.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
+
+import ml_collections
+from ml_collections.config_dict import placeholder
 
 from d2sd_jax.spec_decode import speculative
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """The device mesh (train.py and decode.py): `models.sharding.make_mesh`."""
+  data: int = -1  # data-parallel axis (-1: all devices not used by model)
+  model: int = 1  # tensor-parallel axis: weights split by sharding.RULES (-1: all not in data)
+
+
+def _field_type(hint):
+  """The type a None-default field holds (`int | None` -> int, `tuple[int, ...] | None` ->
+  tuple): what its placeholder accepts from a flag."""
+  args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+  return typing.get_origin(args[0]) or args[0]
+
+
+def as_config(schema) -> ml_collections.ConfigDict:
+  """A schema dataclass instance as a ConfigDict: one entry a field, a nested dataclass as a
+  group; a None field as a placeholder of its type, so that a flag can still set it."""
+  hints = typing.get_type_hints(type(schema))
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(schema):
+    value = getattr(schema, f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = as_config(value)
+    elif value is None:
+      out[f.name] = placeholder(_field_type(hints[f.name]))
+    else:
+      out[f.name] = value
+  return out
+
+
+def schema_fields(schema_cls) -> dict:
+  """{field: None, group: {its fields}} of a schema dataclass (what check_fields takes)."""
+  hints = typing.get_type_hints(schema_cls)
+  return {f.name: ({g.name for g in dataclasses.fields(hints[f.name])}
+                   if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name])
+                   else None)
+          for f in dataclasses.fields(schema_cls)}
 
 # SpecSettings fields that are not knobs: the generation settings, the method and the drafters'
 # configs come from elsewhere. Every other field is a knob: one line of the decode config's `spec`
@@ -16,32 +63,6 @@ from d2sd_jax.spec_decode import speculative
 NOT_KNOBS = ('generation', 'method', 'drafter1', 'drafter2')
 SPEC_KNOBS = tuple(f.name for f in dataclasses.fields(speculative.SpecSettings)
                    if f.name not in NOT_KNOBS)
-
-# The fields train.py reads (configs/drafter1.py, configs/drafter2.py).
-TRAIN_FIELDS = {
-    'kind': None, 'target': None, 'dtype': None, 'workdir': None, 'init_from': None,
-    'drafter': {'gamma', 'n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff',
-                'feature_layers', 'rope_base', 'norm_eps', 'qk_norm', 'head_vocab',
-                'mask_token_id'},
-    'data': {'source', 'path', 'tfds_dir', 'tfds_name', 'tfds_split', 'text_field', 'prefetch',
-             'seq_len', 'eval_fraction', 'holdout', 'features_dir', 'corpus_path', 'corpus_windows'},
-    'train': {'batch_size', 'anchors_per_seq', 'steps', 'lr', 'warmup', 'weight_decay', 'clip',
-              'seed', 'precompute_features', 'compute_dtype', 'grad_accum', 'remat',
-              'distinct_anchors'},
-    'loss': {'decay', 'beta', 'tau', 'reveal', 'soft', 'soft_k', 'prefix_prior', 'block_norm',
-             'cuts_from'},
-    'mesh': {'data', 'model'}, 'distributed': None,
-    'log_every': None, 'eval_every': None, 'save_every': None, 'keep': None,
-    'progress_bar': None,
-}
-
-# The fields decode.py reads besides decode/options.py's Options (which holds the request's
-# fields, and makes decode.py's whole list: options.DECODE_FIELDS).
-RUN_FIELDS = {
-    'target': None, 'dtype': None, 'drafter1': None, 'drafter2': None, 'prompt': None,
-    'prompts_file': None, 'output': None, 'mesh': {'data', 'model'}, 'distributed': None,
-}
-
 
 def check_fields(config, schema: dict, what: str) -> None:
   """Raises ValueError naming every field of `config` that `schema` does not know."""

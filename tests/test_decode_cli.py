@@ -13,6 +13,7 @@ from d2sd_jax.decode import generate as generate_lib
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.formats import loaders
+from spec_helpers import DCFG
 from d2sd_jax.spec_decode import speculative
 from d2sd_jax.formats.drafters import load_drafter
 
@@ -152,22 +153,24 @@ def test_prompt_and_prompts_file(tmp_path):
     options_lib.validate(config)
 
 
-def test_config_is_the_library_defaults():
-  """configs/smollm2.py's `spec` group is exactly SpecSettings' knobs with their defaults, and
-  its other fields equal options_lib.Options' defaults (Decoder.generate's): one set of defaults."""
+@pytest.mark.parametrize('gamma', [4, 16])
+def test_a_config_left_as_it_is_decodes_as_the_notebook_does(gamma):
+  """configs/smollm2.py with nothing set and Decoder.generate with no keyword run the same
+  SpecSettings, for drafters of block 4 (n_branches capped at gamma-1 = 3) and 16: gamma and
+  n_branches follow the drafter in both, every other knob is SpecSettings' default."""
   config = smollm2_config.get_config()
-  knobs = {f.name: f.default for f in dataclasses.fields(speculative.SpecSettings)
-           if f.name in config_check.SPEC_KNOBS}
-  assert set(knobs) == set(speculative.SpecSettings.__dataclass_fields__) - set(
-      config_check.NOT_KNOBS)
-  # gamma: None, drafter 1's block unless set (options_lib.spec_fields, shared with the notebook)
-  assert config.spec.to_dict() == {**knobs, 'gamma': None}
-  assert set(options_lib.DECODE_FIELDS['spec']) == set(knobs)
-  for f in dataclasses.fields(options_lib.Options):
-    if f.name not in ('method', 'spec', 'chat_template_kwargs'):  # the last: a JSON string
-      assert config[f.name] == f.default, f.name
-  assert options_lib.options_from_config(config) == options_lib.Options(
-      method=config.method, spec={**knobs, 'gamma': None})
+  assert set(config.spec) == set(config_check.SPEC_KNOBS) == set(
+      speculative.SpecSettings.__dataclass_fields__) - set(config_check.NOT_KNOBS)
+  dcfg = dataclasses.replace(DCFG, gamma=gamma)
+  drafters = {'drafter1': (dcfg, None), 'drafter2': (dcfg, None)}
+  settings = []
+  for options in (options_lib.options_from_config(config), options_lib.Options(method='auto')):
+    gen = options_lib.generation_settings(options)
+    settings.append(speculative.SpecSettings(
+        gen, method='d2sd', drafter1=dcfg, drafter2=dcfg,
+        **options_lib.spec_fields(dataclasses.replace(options, method='d2sd'), drafters)))
+  assert settings[0] == settings[1]
+  assert settings[0].gamma == gamma and settings[0].n_branches == min(4, gamma - 1)
 
 
 def test_methods_are_read_from_the_registry_at_call_time(tiny_folder, monkeypatch):

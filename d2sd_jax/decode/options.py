@@ -7,6 +7,7 @@ import json
 import os
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from d2sd_jax import config_check
 from d2sd_jax.formats import conversations
@@ -28,8 +29,13 @@ DEMO_PROMPT = 'Write a Python function that returns the n-th Fibonacci number.'
 class Options:
   """One generation request besides the models and prompts. decode.py's config
   (`options_from_config`) and Decoder.generate's keywords both become this: the defaults live
-  here (configs/smollm2.py repeats them, a test keeps the two equal)."""
-  method: str  # 'ar' or a drafting method (drafting.REGISTRY, read at call time)
+  here, and decode.py's config is built from them (`decode_config`)."""
+  # 'ar' (plain autoregressive), 'pld' (prompt lookup), 'dflash' (drafter 1),
+  # 'dflash_resample' / 'dflash_dflash' (paper ablations), 'd2sd' (drafter 1 + drafter 2),
+  # 'd2sd_pld', the best-first trees 'ddtree' and 'd2sd_tree', 'auto' (the highest predicted
+  # tokens/s on this machine: decode/autoconfig.py), or any method added with d2sd_jax.register
+  # (drafting.REGISTRY, read at call time)
+  method: str
   max_new_tokens: int = 128  # per prompt; generation also stops at EOS
   chat: bool = True  # wrap each prompt in the target's chat template
   # Extra chat-template variables, as transformers' apply_chat_template(**kwargs) takes them:
@@ -55,9 +61,47 @@ class Options:
   auto_probe: bool = False
 
 
-# Every field decode.py reads: the request's (Options) and the run's (config_check.RUN_FIELDS).
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """decode.py's fields besides the request's (Options): the models, the prompts, the output
+  and the devices."""
+  # 'smollm2', a .gguf file, or a Hugging Face folder (config.json + *.safetensors)
+  target: str = 'smollm2'
+  dtype: str = 'float32'  # 'float32' (CPU) or 'bfloat16' (accelerators)
+  drafter1: str = ''  # drafter 1: a train.py workdir or an exported drafter ('' = none)
+  drafter2: str = ''  # drafter 2 (variable prefix), for method='d2sd' and its kin
+  prompt: str = ''  # one prompt (neither prompt nor prompts_file: a demo prompt)...
+  prompts_file: str = ''  # ...or a JSONL file with a "prompt" field (or a conversation) a line
+  output: str = ''  # optional JSONL path: prompt, completion, completion_ids per line
+  mesh: config_check.Mesh = config_check.Mesh()
+  distributed: bool = False  # True on multi-host pod slices: jax.distributed.initialize()
+
+
+# Every field decode.py reads: the request's (Options, its `spec` group the SpecSettings knobs)
+# and the run's (Run).
 DECODE_FIELDS = {**{f.name: None for f in dataclasses.fields(Options) if f.name != 'spec'},
-                 'spec': set(config_check.SPEC_KNOBS), **config_check.RUN_FIELDS}
+                 'spec': set(config_check.SPEC_KNOBS), **config_check.schema_fields(Run)}
+
+# Knobs whose default follows the drafters: gamma is drafter 1's block, n_branches
+# min(4, gamma-1) (`spec_fields`); a config leaves them None.
+FOLLOW_DRAFTERS = ('gamma', 'n_branches')
+
+
+def decode_config(method: str = 'auto', **run) -> ml_collections.ConfigDict:
+  """decode.py's config with the library's defaults: the request's fields (Options, with
+  `method`), its `spec` group (SpecSettings' knobs and defaults, FOLLOW_DRAFTERS None) and the
+  run's fields (Run, with `run` applied). A config file is this with its own values."""
+  c = config_check.as_config(dataclasses.replace(Run(), **run))
+  for f in dataclasses.fields(Options):
+    if f.name not in ('spec', 'chat_template_kwargs'):
+      c[f.name] = getattr(Options(method=method), f.name)
+  # Extra chat-template variables as a JSON object ('' = none), e.g. for Qwen3:
+  # --config.chat_template_kwargs='{"enable_thinking": false}'
+  c.chat_template_kwargs = ''
+  c.spec = ml_collections.ConfigDict({k: _spec_default(k) for k in config_check.SPEC_KNOBS})
+  for name in FOLLOW_DRAFTERS:
+    c.spec[name] = placeholder(int)
+  return c
 
 
 def methods() -> tuple[str, ...]:

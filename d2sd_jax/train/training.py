@@ -17,7 +17,6 @@ import functools
 import math
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -32,7 +31,6 @@ from tqdm import tqdm
 from d2sd_jax.train import blocks as blocks_lib
 from d2sd_jax.train import calibration
 from d2sd_jax.formats import checkpoints as ckpt
-from d2sd_jax import config_check
 from d2sd_jax.train import data as data_lib
 from d2sd_jax.train import features as features_lib
 from d2sd_jax.models import drafter as drafter_lib
@@ -45,8 +43,10 @@ from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.formats.drafters import load_drafter
 from d2sd_jax.train import architecture
 from d2sd_jax.train import run_log
+from d2sd_jax.train import schema
 
-KINDS = ('drafter1', 'drafter2')
+KINDS = schema.KINDS
+validate = schema.validate  # (the checks live with the fields they check)
 
 
 def drafter_config(config, tcfg=None) -> drafter_lib.DrafterConfig:
@@ -63,72 +63,6 @@ def drafter_config(config, tcfg=None) -> drafter_lib.DrafterConfig:
   if config.data.seq_len <= dcfg.gamma:
     raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={dcfg.gamma}')
   return dcfg
-
-
-def validate(config) -> None:
-  """Start-up checks that name the field and the fix."""
-  config_check.check_fields(config, config_check.TRAIN_FIELDS, 'training')
-  if config.kind not in KINDS:
-    raise ValueError(f'kind={config.kind!r} is not one of {KINDS}')
-  t = config.train
-  for name in ('batch_size', 'anchors_per_seq', 'steps'):
-    if t[name] < 1:
-      raise ValueError(f'train.{name}={t[name]} must be >= 1')
-  if config.data.source not in data_lib.SOURCES:
-    raise ValueError(f'data.source={config.data.source!r}: use one of {data_lib.SOURCES}')
-  if config.data.get('prefetch', 0) < 0:
-    raise ValueError(f'data.prefetch={config.data.prefetch} must be >= 0')
-  gamma = config.drafter.get('gamma')
-  if gamma is not None and config.data.seq_len <= gamma:
-    raise ValueError(f'data.seq_len={config.data.seq_len} must exceed drafter.gamma={gamma}')
-  if not 0.0 < config.loss.beta < 1.0:
-    raise ValueError(f'loss.beta={config.loss.beta} must be in (0, 1)')
-  prior = config.loss.get('prefix_prior', '')
-  if prior and prior != losses.REFERENCE_PRIOR:
-    losses.parse_prior(prior, config.drafter.gamma)
-  if config.loss.get('cuts_from', '') and config.kind != 'drafter2':
-    raise ValueError(f'loss.cuts_from={config.loss.cuts_from!r} places drafter 2\'s blocks; '
-                     f'kind={config.kind!r} trains from the anchor alone: set '
-                     "loss.cuts_from=''")
-  if config.loss.tau <= 0 or config.loss.decay <= 0:
-    raise ValueError('loss.tau and loss.decay must be > 0')
-  if not 0.0 <= config.loss.get('reveal', 0.0) <= 1.0:
-    raise ValueError(f'loss.reveal={config.loss.reveal} must be in [0, 1] (the fraction of blocks '
-                     'partly unmasked)')
-  if not 0.0 <= config.loss.get('soft', 0.0) <= 1.0:
-    raise ValueError(f'loss.soft={config.loss.soft} must be in [0, 1] (the weight of the '
-                     "target's top-k distribution against its argmax)")
-  if config.loss.get('soft', 0.0) and not config.data.get('corpus_path'):
-    raise ValueError('loss.soft needs the target\'s distributions, which only a teacher-forced '
-                     'corpus stores: set data.corpus_path (python scripts/corpus.py --top_k 8) '
-                     'or loss.soft=0')
-  if config.loss.get('soft', 0.0) and config.loss.get('soft_k', 8) < 1:
-    raise ValueError(f'loss.soft_k={config.loss.soft_k} must be >= 1')
-  if config.data.get('holdout', 'record') not in data_lib.HOLDOUTS:
-    raise ValueError(f'data.holdout={config.data.holdout!r}: use one of {data_lib.HOLDOUTS}')
-  if not 0.0 <= config.data.eval_fraction < 1.0:
-    raise ValueError(f'data.eval_fraction={config.data.eval_fraction} must be in [0, 1)')
-  for name in ('log_every', 'save_every'):
-    if config[name] < 1:
-      raise ValueError(f'{name}={config[name]} must be >= 1')
-  if config.keep is not None and config.keep < 1:
-    raise ValueError(f'keep={config.keep} must be >= 1 (checkpoints kept) or None (all)')
-  if config.train.lr <= 0 or config.train.clip <= 0:
-    raise ValueError('train.lr and train.clip must be > 0')
-  if t.get('grad_accum', 1) < 1 or t.batch_size % t.get('grad_accum', 1):
-    raise ValueError(f'train.grad_accum={t.get("grad_accum")} must be >= 1 and divide '
-                     f'train.batch_size={t.batch_size}')
-  for name, value in (('dtype', config.get('dtype', 'float32')),
-                      ('train.compute_dtype', t.get('compute_dtype', 'float32'))):
-    if value not in ('float32', 'bfloat16'):
-      raise ValueError(f"{name}={value!r}: use 'float32' or 'bfloat16'")
-  given = architecture.given(config.drafter)
-  if len(given) == len(architecture.FIELDS):  # all set: the drafter's own checks, now
-    drafter_lib.DrafterConfig(**given)
-  if t.warmup >= t.steps:
-    print(f'warning: train.warmup={t.warmup} >= train.steps={t.steps}: the learning rate never '
-          f'reaches train.lr={t.lr}; set --config.train.warmup={max(1, t.steps // 10)} (a tenth '
-          'of the steps)', file=sys.stderr, flush=True)
 
 
 def optimizer(config):
