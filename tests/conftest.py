@@ -11,6 +11,15 @@ import tempfile
 # warnings per process, subprocesses included: they inherit this). The compile-only TPU
 # topologies of tests/test_tpu_compile.py work under it.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The suite compiles hundreds of small programs and runs each a few times, so compiling is most
+# of its time: without LLVM's optimisation levels and expensive passes XLA's CPU backend
+# compiles them about a quarter faster (measured on tests/test_speculative.py and test_model.py
+# from an empty cache: 130 s -> 100 s). The programs' results are the same up to float rounding.
+# Subprocesses inherit this; a flag already in XLA_FLAGS wins.
+_FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true')
+os.environ['XLA_FLAGS'] = ' '.join(
+    [os.environ.get('XLA_FLAGS', '')] +
+    [f for f in _FAST_COMPILE if f.split('=')[0] not in os.environ.get('XLA_FLAGS', '')]).strip()
 
 import jax  # pylint: disable=wrong-import-position
 import numpy as np
