@@ -21,7 +21,7 @@ Beside them, the predictions for the same programs at the same shapes: the roofl
 chip at that batch (results/tpu_compile.json, benchmarks/tpu_compile.py --record), where kept.
 Prints a table and writes it all, with the date, machine and command, to --json.
 --tiny: a 6-layer target of width 256 (vocabulary 4,096), context 64: the same code on a CPU in
-a minute (tests/test_gpu_session.py), not a measurement.
+a minute (tests/cli/test_gpu_session.py), not a measurement.
 """
 from __future__ import annotations
 

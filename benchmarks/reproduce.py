@@ -178,7 +178,7 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
   priors). Greedy (`sampling` None), any output that differs from AR's stops the run; with
   `sampling` (temperature, top_p, seed) prompt i samples with seed + i, and outputs are draws of
   the target's law, not AR's draws, and are not compared (the law tests check the law:
-  tests/test_speculative.py, tests/test_trees.py)."""
+  tests/spec_decode/test_speculative.py, tests/spec_decode/test_tree.py)."""
   tok = generate_lib.tokenizer_of(dec.target)
   everything = (*runs, ('ar (end)', 'ar', {}))
   out = {}

@@ -1,5 +1,5 @@
 """A tiny random Qwen3 target and a DFlash drafter folder for it, to try docs/training.md's
-"Your own target" commands in minutes (tests/test_own_target.py runs them on these):
+"Your own target" commands in minutes (tests/cli/test_own_target.py runs them on these):
 
   python scripts/make_tiny_qwen3.py OUT   # -> OUT/tiny-qwen3, OUT/tiny-qwen3-DFlash-b16
 

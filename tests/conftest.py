@@ -9,7 +9,7 @@ import tempfile
 # The tests run on the CPU. With libtpu installed (the test extra has it, for the TPU compile
 # checks), every process that starts JAX would otherwise probe for a TPU host first (seconds and
 # warnings per process, subprocesses included: they inherit this). The compile-only TPU
-# topologies of tests/test_tpu_compile.py work under it.
+# topologies of tests/perf/test_compiled.py work under it.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # The suite compiles hundreds of small programs and runs each a few times, so compiling is most
 # of its time: without LLVM's optimisation levels and expensive passes XLA's CPU backend
@@ -53,6 +53,7 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: item.nodeid.startswith('tests/test_mutations.py'))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, 'tests', 'fixtures')
 
 
 def load_script(name: str):
@@ -111,7 +112,7 @@ def tiny_folder(tmp_path_factory):
   """The tiny Llama checkpoint fixture plus a character-level tokenizer, EOS id 95 and a chat
   template: a complete Hugging Face folder (vocab 96)."""
   folder = tmp_path_factory.mktemp('tiny') / 'llama'
-  shutil.copytree(os.path.join(os.path.dirname(__file__), 'fixtures', 'hf_tiny', 'llama'), folder)
+  shutil.copytree(os.path.join(FIXTURES, 'hf_tiny', 'llama'), folder)
   chars = [chr(c) for c in range(32, 127)]  # 95 printable characters, then EOS = id 95
   bpe = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
   bpe.add_special_tokens(['<eos>'])
@@ -151,7 +152,8 @@ def tiny_drafters(tiny_folder, distill_dir, tmp_path_factory):
   """train.py workdirs of both drafters for the tiny folder target (3 steps each), made once
   per test process: {'drafter1': path, 'drafter2': path}."""
   from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
-  import test_training  # pylint: disable=import-outside-toplevel (its tiny training config)
+  # (test_training's tiny training config)
+  from tests.train import test_training  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('drafters')
   paths = {}
   for kind in ('drafter1', 'drafter2'):

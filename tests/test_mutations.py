@@ -16,8 +16,9 @@ from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.spec_decode import tree as tree_lib
-import spec_helpers as H
-import test_acceptance
+from tests.helpers import loop_checks as H
+from tests.helpers import tiny_drafters
+from tests.spec_decode import test_acceptance
 
 
 def apply_mutation(monkeypatch, module, old: str, new: str):
@@ -110,7 +111,7 @@ MUTATIONS = {
 
 @pytest.fixture(scope='module')
 def trained(tiny):
-  return H.trained_bundle(tiny)
+  return tiny_drafters.trained_bundle(tiny)
 
 
 def run_check(kind, tiny, trained):

@@ -7,7 +7,7 @@ Memory: tensors are read one at a time in the checkpoint's own dtype (a bfloat16
 file stays bfloat16 on the host), cast to the requested dtype, and with a `mesh` placed straight
 onto their sharding (`d2sd_jax.models.sharding` rules), so neither a float32 copy of the model nor the
 whole model on one device ever exists: host memory during a load peaks at the parameters in
-their final dtype plus one tensor (tests/sharded_checks.py `load` measures it on 8 devices).
+their final dtype plus one tensor (tests/helpers/sharded_checks.py `load` measures it on 8 devices).
 """
 from __future__ import annotations
 

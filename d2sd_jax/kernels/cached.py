@@ -19,7 +19,7 @@ Scores never leave VMEM; the cache is read once per (row, KV head). The steps (`
 are shared with `fused.attention`, which computes the queries inside the same kernel (a
 decoding layer that `fused.fits`); this kernel serves attention given its queries (the XLA
 layer's TPU form). The compiler is told the kernel's cost (`pl.CostEstimate`) for a full
-cache, the most it reads. `interpret=True` runs it on a CPU (tests/test_cached.py checks it
+cache, the most it reads. `interpret=True` runs it on a CPU (tests/kernels/test_cached.py checks it
 against the XLA form).
 """
 from __future__ import annotations

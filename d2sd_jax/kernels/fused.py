@@ -24,7 +24,7 @@ MLP's gate/up output written and read back 26 MB beyond its 302 MB
 
 The values are the XLA forms' on a TPU: the matmuls take their inputs in the weights' dtype
 (what XLA does with float32 inputs at default precision) and accumulate in float32, every norm,
-RoPE, softmax and SiLU is float32 (tests/test_fused.py checks both kernels against
+RoPE, softmax and SiLU is float32 (tests/kernels/test_fused.py checks both kernels against
 `target.layer`'s XLA form through Pallas' interpreter). `target.layer` takes them in programs
 compiled for a TPU (`jax.lax.platform_dependent`) when `fits`: heads a multiple of 128 lanes and
 at most MAX_ROWS rows. Over a mesh they run per device (`shard_map`): rows over 'data', KV heads

@@ -13,7 +13,7 @@ Shapes the kernel needs: T is padded at the end to a multiple of `BLOCK` (the pa
 after every real query, so the causal mask already hides them; the padded queries' rows are
 dropped), and grouped-query attention maps each group of query heads onto its KV head inside
 the kernel. Batch rows go through `jax.vmap`. With `interpret=True` the same kernel runs on a
-CPU through Pallas' interpreter (tests/test_splash.py checks it against the einsum).
+CPU through Pallas' interpreter (tests/kernels/test_splash.py checks it against the einsum).
 
 Over a mesh the kernel, a custom call XLA cannot partition, runs per device on its own rows and
 heads (`shard_map`: rows over 'data', KV heads over 'model', as `models.sharding.RULES` split

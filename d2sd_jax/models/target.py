@@ -29,13 +29,13 @@ KV head keeps tensor-parallel sharding over heads a plain split of one axis.
 
 Precision. `dtype` is the storage dtype of the weights (bfloat16 halves them); activations, the
 residual stream, every accumulation and the logits are float32, and so is the KV cache unless
-`cache_dtype='bfloat16'`. A token's hidden state then differs between a verified tree and
-one-token AR steps only by float32 accumulation order, as in float32, so bfloat16 speculative
-decoding reproduces bfloat16 AR (tests/test_bf16.py). With bfloat16 activations the two drifted
+`cache_dtype='bfloat16'`. A token's hidden state then differs between a verified tree and one-token
+AR steps only by float32 accumulation order, as in float32, so bfloat16 speculative decoding
+reproduces bfloat16 AR (tests/spec_decode/test_bf16.py). With bfloat16 activations the two drifted
 0.25 apart in the final hidden state and greedy D²SD left bfloat16 AR within 64 tokens on 2 of 3
-prompts; a bfloat16 cache (new keys and values rounded to it before any token attends to them,
-as a later step reads them) still drifts 1e-2 apart, enough to flip a near-tie now and then:
-choose it for memory (long contexts, big batches), not for exact agreement with AR.
+prompts; a bfloat16 cache (new keys and values rounded to it before any token attends to them, as a
+later step reads them) still drifts 1e-2 apart, enough to flip a near-tie now and then: choose it
+for memory (long contexts, big batches), not for exact agreement with AR.
 """
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_mask, tree
               block_size: int | None = None, fresh: bool = False):
   """Attention of T new tokens over [cached context ; the new tokens], float32 [B, T, H·hd].
 
-  Three forms, one law (tests/test_model.py checks them against each other):
+  Three forms, one law (tests/models/test_target.py checks them against each other):
   - general: one softmax over the context slots `ctx_mask` allows and the new tokens
     `tree_mask_BxTxT` allows (a token tree, or causal). ctx_mask is a bool mask [B, S] or
     [B, T, S], or int lengths [B]: row b sees the first ctx_mask[b] slots (decoding's case);

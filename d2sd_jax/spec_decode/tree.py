@@ -135,7 +135,8 @@ def accept_recursive(tree: Tree, anc_BxTxT: jax.Array, depth_BxT: jax.Array,
                                 λ = .5, children 0 and 1: TV = 0.735 (single-draft claim: 0.495).
   (Each sibling emits exactly its own lenient target t_i = (1-λ) r + λ q_i against the
   residual, so the error recurses as D_i <= λ·TV(r, q_i) + (1-λ)·TV(r, q_i)·D_{i+1}.) A chain
-  (m = 1 at every node) keeps the single-draft bound; tests/test_acceptance.py enumerates them.
+  (m = 1 at every node) keeps the single-draft bound; tests/spec_decode/test_acceptance.py
+  enumerates them.
 
   Returns the same tuple as `accept_point_mass`.
   """

@@ -1,0 +1,165 @@
+"""Checks that need 8 (virtual) devices; tests/models/test_sharding.py runs each in its own
+process:
+
+  python tests/helpers/sharded_checks.py rules|train|decode [tiny_folder distill_dir workdir]
+
+XLA_FLAGS must be set before JAX starts, hence a separate process per check.
+"""
+import os
+import sys
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+
+import jax  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.conftest import TINY, tiny_params  # pylint: disable=wrong-import-position
+from tests.helpers import loop_checks  # pylint: disable=wrong-import-position
+from tests.helpers import tiny_drafters  # pylint: disable=wrong-import-position
+
+from d2sd_jax.spec_decode import ar as AR  # pylint: disable=wrong-import-position
+from d2sd_jax.models import sharding  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=wrong-import-position
+
+
+def check_rules():
+  """TINY: vocab 64, 2 KV heads of 4 query heads x 8 dims, d_ff 48, width 32."""
+  assert len(jax.devices()) == 8
+  params = tiny_params()
+  for (data, model), wqkv in (((2, 4), P()), ((4, 2), P('model'))):
+    mesh = sharding.make_mesh(data, model)
+    got = sharding.describe(params, sharding.target_shardings(mesh, params))
+    expected = {
+        "['embed']": P('model', None),  # vocab-parallel: 64 % model == 0
+        "['final_norm']": P(None),
+        "['layers'][0]['attn_norm']": P(None),
+        "['layers'][0]['mlp_norm']": P(None),
+        # 2 KV heads split over model=2, replicated over model=4 (4 does not divide 2)
+        "['layers'][0]['wqkv']": P(*wqkv, None, None, None) if wqkv else P(None, None, None,
+                                                                             None),
+        "['layers'][0]['wo']": P(None, 'model'),  # 4 heads x 8 = 32 columns
+        "['layers'][0]['w_gate_up']": P(None, 'model', None),  # d_ff 48
+        "['layers'][0]['w_down']": P(None, 'model'),
+    }
+    for name, spec in expected.items():
+      assert got[name] == str(spec), (data, model, name, got[name], spec)
+  dparams = tiny_drafters.bundle_for((TINY, params))['drafter1']
+  mesh = sharding.make_mesh(2, 4)
+  got = sharding.describe(dparams, sharding.drafter_shardings(mesh, dparams))
+  assert got["['fc']"] == str(P(None, 'model')), got["['fc']"]  # 2 x 32 feature columns
+  assert got["['mask_embed']"] == str(P(None))
+  for bad, match in (((3, 3), 'does not fit the 8 devices'), ((-1, -1), 'both be -1'),
+                     ((-1, 3), 'does not fit')):
+    try:
+      sharding.make_mesh(*bad)
+    except ValueError as e:
+      assert match in str(e), (bad, e)
+    else:
+      raise AssertionError(f'mesh {bad} was accepted')
+  try:
+    sharding.check_batch(sharding.make_mesh(4, 2), 6)
+  except ValueError as e:
+    assert 'train.batch_size=6 is not divisible by mesh.data=4' in str(e), e
+  else:
+    raise AssertionError('batch 6 on mesh.data=4 was accepted')
+
+
+def check_train(tiny_folder, distill_dir, workdir):
+  """The same tiny run on one device and on 2x4 / 4x2 meshes: same losses and parameters."""
+  from tests.train import test_training  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.train import training  # pylint: disable=import-outside-toplevel
+  out = {}
+  for data, model in ((1, 1), (2, 4), (4, 2)):
+    c = test_training.tiny_config(tiny_folder, distill_dir, os.path.join(workdir, f'{data}x{model}'),
+                                  steps=4)
+    c.train.batch_size = 4
+    c.mesh.update(data=data, model=model)
+    out[(data, model)] = training.run(c)
+  ref = out[(1, 1)]
+  for key in ((2, 4), (4, 2)):
+    np.testing.assert_allclose(out[key]['loss'], ref['loss'], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ref['params']), jax.tree.leaves(out[key]['params'])):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
+  wqkv = out[(4, 2)]['params']['layers'][0]['wqkv']
+  spec = tuple(wqkv.sharding.spec) + (None,) * (wqkv.ndim - len(wqkv.sharding.spec))
+  assert spec == ('model', None, None, None), spec  # the trained drafter stays split
+
+
+def check_decode():
+  """d2sd generation with target and drafters split over a 2x4 mesh = unsharded, token for
+  token; the whole generation is still one while_loop program."""
+  params = tiny_params()
+  bundle = tiny_drafters.trained_bundle((TINY, params))  # drafts are accepted, on branches too
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=20, eos_ids=(), pad_id=0),
+                         method='d2sd', gamma=5, n_branches=2, drafter1=tiny_drafters.DCFG,
+                         drafter2=tiny_drafters.DCFG2)
+  ar, plain, _ = loop_checks.run_both(TINY, bundle, tiny_drafters.PROMPTS, spec)
+  mesh = sharding.make_mesh(2, 4)
+  sharded = {'target': jax.device_put(params, sharding.target_shardings(mesh, params))}
+  for name in ('drafter1', 'drafter2'):
+    sharded[name] = jax.device_put(bundle[name], sharding.drafter_shardings(mesh, bundle[name]))
+  assert sharded['target']['embed'].sharding.spec == P('model', None)
+  ar2, split, state = loop_checks.run_both(TINY, sharded, tiny_drafters.PROMPTS, spec)
+  assert split == plain == ar, (split, plain, ar)
+  assert ar2 == ar
+  assert int(state.accepted_hist_BxC[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
+
+
+def _rss_bytes(field: str) -> int:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(field + ':'):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError(f'{field} not in /proc/self/status')
+
+
+def check_load(folder):
+  """A bfloat16 checkpoint (written by test_sharding.write_wide_checkpoint) loaded onto a 1x8
+  mesh: each device holds about 1/8 of the bytes, and the host memory the load adds at its peak
+  stays below the checkpoint's float32 size (no float32 copy, no whole model on one device)."""
+  from d2sd_jax.formats import checkpoints  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import loaders
+  import json  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(folder, 'config.json')) as f:
+    n_params = json.load(f)['n_params']
+  mesh = sharding.make_mesh(1, 8)
+  base = _rss_bytes('VmRSS')
+  try:  # reset the peak (VmHWM) to the current RSS, so it measures the load alone
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+  except OSError:
+    pass
+  target = loaders.load_target(folder, 'bfloat16', mesh)
+  jax.block_until_ready(target.params)
+  peak = _rss_bytes('VmHWM') - base
+  per_device = {d: 0 for d in jax.devices()}
+  for x in jax.tree.leaves(target.params):
+    assert x.dtype == jax.numpy.bfloat16, x.dtype
+    for shard in x.addressable_shards:
+      per_device[shard.device] += shard.data.nbytes
+  total = sum(x.nbytes for x in jax.tree.leaves(target.params))
+  float32_bytes = 4 * n_params
+  print(json.dumps({'params': n_params, 'float32_bytes': float32_bytes, 'bf16_bytes': total,
+                    'max_device_bytes': max(per_device.values()),
+                    'min_device_bytes': min(per_device.values()),
+                    'peak_host_bytes_during_load': peak}))
+  assert total == 2 * n_params
+  assert max(per_device.values()) <= 1.02 * total / 8, per_device  # replicated norms: ~0.1 %
+  assert min(per_device.values()) >= 0.98 * total / 8, per_device
+  assert peak < float32_bytes, (peak, float32_bytes)
+  # Same values and identity as an ordinary float32 load, once measured.
+  fp = checkpoints.target_fingerprint(target)
+  reference = loaders.load_target(folder, 'float32')
+  assert checkpoints.target_fingerprint(reference) == fp
+  for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(reference.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(a.dtype))
+
+
+if __name__ == '__main__':
+  name, args = sys.argv[1], sys.argv[2:]
+  {'rules': check_rules, 'train': check_train, 'decode': check_decode,
+   'load': check_load}[name](*args)
+  print(f'ok {name}')

@@ -1,0 +1,97 @@
+"""Drafting (d2sd_jax/spec_decode/drafting.py): where branches leave drafter 1's chain (the top-r
+cuts by enumeration, merged re-drafts hanging where they leave the chain), drafter 2's
+re-drafts at those cuts, packing a chain and branches into one tree, every verified node
+reachable, a resampled branch of a certain drafter dropped, and every row of a batch drafting
+what it drafts alone. That every registered method stays lossless is checked with the loop
+(test_speculative.py's test_drafter_methods_equal_ar)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from d2sd_jax.models import sampling as S
+from d2sd_jax.spec_decode import ar as AR
+from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import speculative as SP
+from tests.helpers import loop_checks as H
+from tests.helpers.loop_checks import run_both
+from tests.helpers.programs import jitted
+from tests.helpers.tiny_drafters import DCFG, PROMPTS
+
+
+# Every drafter method; d2sd (drafter 1 and drafter 2 through the same drafting path) in the
+# default tier, the others in the slow tier.
+ROW_METHODS = [pytest.param(m, marks=() if m == 'd2sd' else (pytest.mark.slow,))
+               for m, method in drafting.REGISTRY.items() if method.drafters]
+
+
+@pytest.mark.parametrize('method', ROW_METHODS)
+def test_rows_draft_what_they_draft_alone(tiny, trained, method):
+  """Rows of different committed lengths in one batch: each row's tree is the tree it drafts
+  alone (its own positions and context slots, not the longest row's)."""
+  H.check_rows_draft_as_alone(tiny, trained, methods=(method,))
+
+
+
+@pytest.mark.slow
+def test_d2sd_tree_is_drafter2_at_the_top_r_cuts(tiny, trained):
+  H.check_d2sd_tree_is_drafter2(tiny, trained)
+
+
+@pytest.mark.slow
+def test_every_verified_node_is_reachable(tiny, trained):
+  H.check_every_verified_node_reachable(tiny, trained)
+
+
+def test_branch_points_are_the_top_r_by_enumeration():
+  H.check_branch_points()
+
+
+def test_merged_branches_hang_where_they_leave_the_chain():
+  H.check_merged_cuts()
+
+
+
+@pytest.mark.slow
+def test_resampled_branch_of_a_certain_drafter_is_dropped_not_nan(tiny, trained, monkeypatch):
+  """Drafter 1 with probability exactly 1 on its chain token: no other token is left to
+  resample at that branch's first position. The branch is dropped; nothing is NaN; the output
+  still follows the target at T > 0."""
+  cfg, params = tiny
+  real_first_draft = drafting.first_draft
+
+  def certain(params_, cfg_, settings, state):
+    tokens, conf, probs = real_first_draft(params_, cfg_, settings, state)
+    return tokens, conf, jax.nn.one_hot(tokens, probs.shape[-1])
+
+  monkeypatch.setattr(drafting, 'first_draft', certain)
+  jax.clear_caches()
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=6, eos_ids=(), pad_id=0,
+                                              sampling=S.SamplingSettings(temperature=1.0)),
+                         method='dflash_resample', gamma=5, drafter1=DCFG, n_branches=2)
+  _, init, _, _ = jitted()
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  tree = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))(trained, cfg, spec, state)
+  assert np.isfinite(np.asarray(tree.q_BxTxV)).all()
+  assert not np.asarray(tree.valid_BxT[:, spec.gamma:]).any()  # every branch dropped
+  _, sp, _ = run_both(cfg, trained, PROMPTS, spec)
+  assert all(0 <= t < cfg.vocab_size for row in sp for t in row) and all(len(r) == 6 for r in sp)
+  jax.clear_caches()
+
+
+def test_branch_points_and_packing():
+  # c = [1, .9, .5, .8]: r(0)=.1, r(1)=.9*.5=.45, r(2)=.45*.2=.09, r(3)... (gamma=5 -> i <= 3)
+  conf = jnp.asarray([[1.0, 0.9, 0.5, 0.8, 0.3]])
+  # r(0)=0.1, r(1)=0.45, r(2)=0.09, r(3)=0.9*0.5*0.8*0.7=0.252
+  np.testing.assert_array_equal(drafting.branch_points(conf, 3), [[1, 3, 0]])
+  chain = jnp.asarray([[7, 11, 12, 13, 14]])
+  branches = jnp.asarray([[[0, 11, 21, 22, 23], [0, 11, 12, 13, 31], [0, 41, 42, 43, 44]]])
+  cut = jnp.asarray([[1, 3, 0]])
+  t = drafting.pack_tree(jnp.asarray([7]), chain, branches, cut, size=12)
+  # chain 0..4; branch 0 (cut 1): nodes 5,6,7 under chain node 1; branch 1 (cut 3): node 8 under
+  # chain node 3; branch 2 (cut 0): nodes 9, 10, 11 under the anchor (its 4th token is cut off).
+  assert t.tokens_BxT[0].tolist() == [7, 11, 12, 13, 14, 21, 22, 23, 31, 41, 42, 43]
+  assert t.parents_BxT[0].tolist() == [0, 0, 1, 2, 3, 1, 5, 6, 3, 0, 9, 10]
+  assert t.valid_BxT[0].all()
