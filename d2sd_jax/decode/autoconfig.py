@@ -1,9 +1,11 @@
 """method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
 
-The candidates: AR, prompt lookup and, with the drafters at hand, drafter 1 alone, D²SD with
-K = 1, 2, 4, the hybrid d2sd_pld with K = 1, 4, and the best-first trees ddtree and d2sd_tree at
-each node budget of TREE_BUDGETS (the budget is what the hardware decides: verifying N nodes
-costs little more than one on an accelerator, several AR steps on a CPU). Each is predicted
+The candidates: AR, and every registered drafting method whose drafters are at hand, in the
+configurations its registry entry declares (`drafting.Method.auto`): prompt lookup, drafter 1
+alone, D²SD with K = 1, 2, 4, the hybrid d2sd_pld with K = 1, 4, and the best-first trees
+ddtree and d2sd_tree at each node budget of TREE_BUDGETS (the budget is what the hardware
+decides: verifying N nodes costs little more than one on an accelerator, several AR steps on
+a CPU); a method added with d2sd_jax.register, at its defaults. Each is predicted
 throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this order:
 
   remembered  a choice this machine made before for the same key (below), decoded at once;
@@ -81,29 +83,20 @@ TIMED_FIRST = 3  # at most: AR, the prior's pick and the pick after it, if that 
 RECENCY = 0.5
 
 
-TREE_BUDGETS = (4, 8, 12, 16, 32, 64)  # nodes verified per cycle, the anchor included
+TREE_BUDGETS = drafting.TREE_BUDGETS  # nodes verified per cycle, the anchor included
 
 
 def candidates(drafters: dict, max_nodes: int = 0) -> list[tuple[str, str, dict]]:
-  """(label, method, spec knobs) of every configuration auto-config weighs; with `max_nodes`
-  (a request's spec.tree_budget), only those that verify at most that many nodes per cycle."""
+  """(label, method, spec knobs) of every configuration auto-config weighs: AR, then each
+  registered method whose drafters are at hand, in the configurations its registry entry
+  declares (`drafting.Method.auto`), all with drafter 1's gamma (8 without it); with
+  `max_nodes` (a request's spec.tree_budget), only those that verify at most that many nodes
+  per cycle."""
   gamma = drafters['drafter1'][0].gamma if 'drafter1' in drafters else 8
-  out = [('ar', 'ar', {}), (f'pld(gamma={gamma})', 'pld', {'gamma': gamma})]
-  if 'drafter1' in drafters:
-    out.append(('dflash', 'dflash', {'gamma': gamma}))
-    if 'drafter2' in drafters:
-      for K in (1, 2, 4):
-        if K <= gamma - 1:
-          out.append((f'd2sd(K={K})', 'd2sd', {'gamma': gamma, 'n_branches': K}))
-      # the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
-      for K in (1, 4):
-        if K <= gamma - 1:
-          out.append((f'd2sd_pld(K={K})', 'd2sd_pld', {'gamma': gamma, 'n_branches': K}))
-    for n in TREE_BUDGETS:
-      out.append((f'ddtree(N={n})', 'ddtree', {'gamma': gamma, 'tree_budget': n}))
-      if 'drafter2' in drafters:
-        out.append((f'd2sd_tree(N={n})', 'd2sd_tree', {'gamma': gamma, 'tree_budget': n,
-                                                        'n_branches': min(4, gamma - 1)}))
+  out = [('ar', 'ar', {})]
+  for name, method in drafting.REGISTRY.items():
+    if method.auto is not None and all(d in drafters for d in method.drafters):
+      out += [(label, name, {'gamma': gamma, **knobs}) for label, knobs in method.auto(name, gamma)]
   return [c for c in out if not max_nodes or nodes(c[1], c[2]) <= max_nodes]
 
 

@@ -40,6 +40,10 @@ class Method:
   passes: tuple[str, ...] | None = None
   # Its tree is the best tree_budget nodes of a scored pool (any budget >= 2 is meaningful).
   budgeted: bool = False
+  # The configurations method='auto' weighs: (registered name, gamma) -> [(label, knobs)], the
+  # knobs beyond gamma (which every candidate gets); None: auto leaves the method out (the
+  # paper's ablations). A method added with `register` is weighed at its defaults.
+  auto: Callable[[str, int], list[tuple[str, dict]]] | None = lambda name, gamma: [(name, {})]
 
   @property
   def drafter_passes(self) -> tuple[str, ...]:
@@ -388,15 +392,39 @@ def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,
   return tree_lib.Tree(tokens_BxT=tokens, parents_BxT=parents, valid_BxT=valid, q_BxTxV=q)
 
 
-register('pld', Method(pld))
+# Node budgets auto weighs for the best-first trees, the anchor included (what the hardware
+# decides: verifying N nodes costs little more than one on an accelerator, several AR steps on
+# a CPU).
+TREE_BUDGETS = (4, 8, 12, 16, 32, 64)
+
+
+def _auto_branches(counts):
+  """auto's candidates of a branched method: K branches for each K in `counts` that fits."""
+  return lambda name, gamma: [(f'{name}(K={k})', {'n_branches': k}) for k in counts
+                              if k <= gamma - 1]
+
+
+def _auto_budgets(branches: bool):
+  """auto's candidates of a best-first tree: one per node budget (with K = min(4, gamma-1)
+  branches where the tree has them)."""
+  return lambda name, gamma: [
+      (f'{name}(N={n})', {'tree_budget': n, **({'n_branches': min(4, gamma - 1)}
+                                               if branches else {})}) for n in TREE_BUDGETS]
+
+
+register('pld', Method(pld, auto=lambda name, gamma: [(f'{name}(gamma={gamma})', {})]))
 register('dflash', Method(dflash, drafters=('drafter1',)))
 register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_branches,
-                                   branched=True))
+                                   branched=True, auto=None))
 register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True,
-                                 passes=('drafter1', 'drafter1')))
-register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True))
-register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True))
+                                 passes=('drafter1', 'drafter1'), auto=None))
+register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True,
+                        auto=_auto_branches((1, 2, 4))))
+register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True,
+                          auto=_auto_budgets(branches=False)))
 register('d2sd_tree', Method(d2sd_tree, ('drafter1', 'drafter2'), _budget, branched=True,
-                             budgeted=True))
+                             budgeted=True, auto=_auto_budgets(branches=True)))
+# the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
-                            lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True))
+                            lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True,
+                            auto=_auto_branches((1, 4))))

@@ -16,6 +16,7 @@ from d2sd_jax.formats import checkpoints
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import drafter as D
 from d2sd_jax.perf import throughput
+from d2sd_jax.spec_decode import drafting
 
 TDCFG = D.DrafterConfig(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                         d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
@@ -93,6 +94,36 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   assert rewritten['auto_choice'] == stats4['auto_choice'] == max(
       rewritten['auto_candidates'],
       key=lambda k: rewritten['auto_candidates'][k]['predicted_tokens_per_s'])
+
+
+def test_auto_weighs_every_registered_method_as_its_entry_declares(tiny_folder, cost_cache,
+                                                                   auto_choices, monkeypatch):
+  """Candidates come from the registry: a method added with `register` is weighed at its
+  defaults, or in the configurations its entry declares, one whose drafters are missing or
+  that declares none (auto=None, as the paper's ablations do) is not; probed, the added
+  method decodes and the output is AR's."""
+  monkeypatch.setitem(drafting.REGISTRY, 'pld_again', drafting.Method(drafting.pld))
+  monkeypatch.setitem(drafting.REGISTRY, 'pld_wide', drafting.Method(
+      drafting.pld, auto=lambda name, gamma: [(f'{name}(n=5)', {'ngram_max': 5})]))
+  monkeypatch.setitem(drafting.REGISTRY, 'pld_hidden', drafting.Method(drafting.pld, auto=None))
+  monkeypatch.setitem(drafting.REGISTRY, 'pld_drafted', drafting.Method(
+      drafting.pld, drafters=('drafter1',)))
+  weighed = {label: (m, k) for label, m, k in autoconfig.candidates({})}
+  assert weighed == {'ar': ('ar', {}), 'pld(gamma=8)': ('pld', {'gamma': 8}),
+                     'pld_again': ('pld_again', {'gamma': 8}),
+                     'pld_wide(n=5)': ('pld_wide', {'gamma': 8, 'ngram_max': 5})}
+  with_d1 = {label for label, _, _ in autoconfig.candidates({'drafter1': (TDCFG, None)})}
+  assert 'pld_drafted' in with_d1 and not with_d1 & {'dflash_resample', 'dflash_dflash'}
+  target = loaders.load_target(tiny_folder)
+  prompts = ['abcabcabcabc', 'hello hello hello']
+  base = options_lib.Options(method='ar', max_new_tokens=10, chat=False)
+  ar, _ = generate_lib.generate(target, {}, prompts, base)
+  auto, stats = generate_lib.generate(target, {}, prompts, dataclasses.replace(
+      base, method='auto', auto_probe=True))
+  assert set(stats['auto_candidates']) == set(weighed)
+  assert stats['auto_candidates']['pld_wide(n=5)']['spec'] == {'gamma': 8, 'ngram_max': 5}
+  assert stats['auto_candidates']['pld_again']['tau'] > 1  # it decoded, and drafts were taken
+  assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
 
 
 @pytest.mark.parametrize('batch_size', [1, 3])
