@@ -138,6 +138,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   if budgeted_cycles:
     # what the trees' own scores predicted τ to be: a check of their calibration
     stats['expected_tau'] = round(1.0 + st['expected'] / budgeted_cycles, 3)
+  if options.method != 'ar' and st['cycles']:
+    stats['mean_tree_size'] = round(st['nodes'] / st['cycles'], 3)  # (adaptive: as chosen)
   if options.method != 'ar':
     stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size)
     if options.stage_times:  # three more programs to compile: only on request
@@ -189,6 +191,11 @@ def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict
   if fits:
     return made[min(fits)]
   bound = runner_lib.new_tokens_bound(options.max_new_tokens, block, limit)
+  if spec.get('adaptive') and not spec.get('node_costs'):
+    # this machine's cycle cost at each shape the tree may choose (measured once, cached)
+    spec['node_costs'] = runner_lib.measured_node_costs(
+        target, drafters, options.method, spec, batch, block,
+        log=lambda line: print(line, file=sys.stderr))
   made[bound] = runner_lib.make_runner(
       target, dataclasses.replace(settings, max_new_tokens=bound), options.method, longest,
       limit, drafters, **spec)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
+from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import ar
 from d2sd_jax.spec_decode import speculative as SP
 
@@ -95,9 +96,9 @@ class ARRunner(Runner):
   @staticmethod
   def outputs(state):
     """(tokens [B, N], counts [B], forward passes in the loop, cycles [B] or None, hist or None,
-    expected draft tokens [B] or None)"""
+    expected draft tokens [B] or None, verified tree nodes [B] or None)"""
     out, counts, steps = jax.device_get((state.out_BxN, state.num_out_B, state.steps))
-    return out, counts, int(steps), None, None, None
+    return out, counts, int(steps), None, None, None, None
 
 
 class SpecRunner(Runner):
@@ -135,10 +136,10 @@ class SpecRunner(Runner):
 
   def outputs(self, state):
     out = SP.generated(state, self.settings.generation.max_new_tokens)
-    out, counts, steps, cycles, hist, expected = jax.device_get(
+    out, counts, steps, cycles, hist, expected, nodes = jax.device_get(
         (out, state.num_out_B, state.steps, state.cycles_B, state.accepted_hist_BxC,
-         state.expected_B))
-    return out, counts, int(steps), cycles, hist, expected
+         state.expected_B, state.verified_nodes_B))
+    return out, counts, int(steps), cycles, hist, expected, nodes
 
 
 def cache_limit(target, longest: int, max_new_tokens: int, cache_len: int,
@@ -186,6 +187,28 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
   return SpecRunner(params, target.cfg, spec, prompt_block)
 
 
+# The verification shapes an adaptive best-first tree chooses among (with its budget itself).
+ADAPTIVE_SHAPES = (4, 8, 16, 32, 64)
+
+
+def measured_node_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
+                        context: int, log=print) -> tuple[tuple[int, float], ...]:
+  """SpecSettings.node_costs for an adaptive tree: for each shape of ADAPTIVE_SHAPES below its
+  budget, and the budget, the seconds of one cycle on this machine: the draft, then verifying
+  and accepting that many nodes (perf.costmodel.measure, cached in its cost cache)."""
+  cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
+  gen = ar.GenerationSettings(max_new_tokens=1, eos_ids=(), pad_id=0)
+  fixed = SP.SpecSettings(gen, method=method, **{**spec_fields, 'adaptive': False,
+                                                 'node_costs': ()}, **cfgs)
+  sizes = sorted({n for n in ADAPTIVE_SHAPES if n < fixed.tree_size} | {fixed.tree_size})
+  params = {'target': target.params, **{n: drafters[n][1] for n in cfgs}}
+  costs = costmodel.measure(params, target.cfg, [fixed], batch=batch, context=context,
+                            sizes=tuple(sorted({2, *sizes})), log=log)
+  draft = costs.draft[costmodel.draft_key(fixed)]
+  return tuple((n, round(draft + costs.at('verify', n) + costs.at('accept', n), 7))
+               for n in sizes)
+
+
 def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
                    width: int | None = None, first_row: int = 0, max_new: int | None = None):
   """Generates up to `max_new` tokens (None: the runner's bound) for every prompt in batches of
@@ -198,7 +221,7 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
   part's first prompt in the request, `first_row`, which seeds each row's sampling key)."""
   completions = []
   stats = {'prefill_s': 0.0, 'decode_s': 0.0, 'decode_steps': 0, 'cycles': 0, 'hist': None,
-           'expected': 0.0}
+           'expected': 0.0, 'nodes': 0}
   B = batch_size
   width = round_up(width or max(len(p) for p in prompt_ids), PROMPT_BUCKET)
   for start in range(0, len(prompt_ids), B):
@@ -213,7 +236,7 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
     state, t_prefill, t_decode = runner(block, lens, keys, max_new)
     stats['prefill_s'] += t_prefill
     stats['decode_s'] += t_decode
-    out_ids, counts, steps, row_cycles, row_hist, row_expected = runner.outputs(state)
+    out_ids, counts, steps, row_cycles, row_hist, row_expected, row_nodes = runner.outputs(state)
     stats['decode_steps'] += steps
     for i, _ in enumerate(rows):
       completions.append([int(t) for t in out_ids[i, :counts[i]]])
@@ -221,6 +244,7 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
         stats['cycles'] += int(row_cycles[i])
         stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
         stats['expected'] += float(row_expected[i])
+        stats['nodes'] += int(row_nodes[i])
   return completions, stats
 
 
@@ -228,7 +252,7 @@ def add_stats(a: dict, b: dict) -> dict:
   """decode_prompts' stats of two parts of one request, as one (the first part's first batch;
   the parts' methods share gamma, so their acceptance histograms add)."""
   out = dict(a)
-  for k in ('prefill_s', 'decode_s', 'decode_steps', 'cycles', 'expected'):
+  for k in ('prefill_s', 'decode_s', 'decode_steps', 'cycles', 'expected', 'nodes'):
     out[k] = a[k] + b[k]
   out['hist'] = b['hist'] if a['hist'] is None else a['hist'] if b['hist'] is None else (
       a['hist'] + b['hist'])

@@ -22,6 +22,7 @@ equals AR decoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -52,6 +53,15 @@ class SpecSettings:
   # d2sd_tree: prompt lookup's per-token acceptance rate after a match of n = 1, 2, ... tokens
   # (the last entry for longer ones): its nodes' estimated probability is a^depth.
   lookup_accept: tuple[float, ...] = (0.4, 0.674, 0.936)  # python scripts/lookup_rates.py
+  # Best-first trees (ddtree, d2sd_tree): every cycle, verify only as many of the tree_budget
+  # nodes as give the most expected tokens per second: the tree's own estimates (its nodes'
+  # scores) against node_costs. Only the chosen verification runs (lax.switch); a batch shares
+  # one shape, chosen for its live rows' expected tokens together.
+  adaptive: bool = False
+  # ((nodes, seconds of a cycle verifying that many), ...): the shapes `adaptive` chooses among
+  # and what a cycle of each costs on this machine. decode.py and Decoder.generate measure them
+  # (perf.costmodel.measure, cached) when left empty.
+  node_costs: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
@@ -82,6 +92,18 @@ class SpecSettings:
       raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
     if not self.lookup_accept or not all(0.0 < a < 1.0 for a in self.lookup_accept):
       raise ValueError(f'lookup_accept={self.lookup_accept} must be acceptance rates in (0, 1)')
+    if self.adaptive:
+      sizes = [n for n, _ in self.node_costs]
+      if not method.budgeted:
+        raise ValueError(f'adaptive=True chooses a best-first tree\'s size: method '
+                         f'{self.method!r} has a fixed tree (use ddtree or d2sd_tree)')
+      if not sizes or any(not 2 <= n <= self.tree_size for n in sizes) or len(set(sizes)) < len(
+          sizes) or any(c <= 0 for _, c in self.node_costs):
+        raise ValueError(f'node_costs={self.node_costs} must pair distinct tree sizes in '
+                         f'2..{self.tree_size} (the tree budget) with positive cycle costs; '
+                         'leave it empty in decode.py or Decoder.generate to measure them')
+    elif self.node_costs:
+      raise ValueError('node_costs are the adaptive tree\'s: set adaptive=True or drop them')
     if method.budgeted:
       if self.tree_budget == 1:
         raise ValueError(f'tree_budget=1 leaves {self.method!r} no draft node: use 0 (as many '
@@ -129,6 +151,7 @@ class SpecState:
   # trees: tree.expected_drafts; 0 for the others)
   expected_B: jax.Array
   steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
+  verified_nodes_B: jax.Array  # int32: tree nodes verified in the row's live cycles, summed
   draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
 
   @property
@@ -208,7 +231,8 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    cycles_B=jnp.zeros((B,), jnp.int32),
                    accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
                    expected_B=jnp.zeros((B,), jnp.float32),
-                   steps=jnp.zeros((), jnp.int32), draft_caches=caches)
+                   steps=jnp.zeros((), jnp.int32),
+                   verified_nodes_B=jnp.zeros((B,), jnp.int32), draft_caches=caches)
 
 
 def prepare(params, cfg: model_lib.ModelConfig) -> dict:
@@ -343,6 +367,7 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxC=hist, steps=state.steps + 1,
+                       verified_nodes_B=state.verified_nodes_B + live_B * tree.size,
                        expected_B=state.expected_B + jnp.where(
                            live_B, tree_lib.expected_drafts(tree), 0.0),
                        draft_caches=draft_caches)
@@ -354,14 +379,35 @@ def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tr
   return commit(params, settings, state, tree, v, accept(settings, tree, v, state.cycle_keys[1]))
 
 
+def adaptive_choice(settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
+  """The index into settings.node_costs of the shape an adaptive cycle verifies: the most
+  expected tokens per second, (live rows + their trees' expected drafts at n nodes) / cost(n).
+  The tree is best first, so its first n nodes are its best tree of n, and their expected
+  drafts are a prefix sum of its scores."""
+  live_B = ~state.done_B
+  reach_BxT = jnp.cumsum(jnp.exp(tree.score_BxT[:, 1:]), axis=1)  # [:, n-2]: n nodes
+  sizes = jnp.asarray([n for n, _ in settings.node_costs])
+  costs = jnp.asarray([c for _, c in settings.node_costs], jnp.float32)
+  expected_S = jnp.sum(jnp.where(live_B[:, None], 1.0 + reach_BxT[:, sizes - 2], 0.0), axis=0)
+  return jnp.argmax(expected_S / costs).astype(jnp.int32)
+
+
 def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
               state: SpecState) -> SpecState:
-  """One cycle, top to bottom."""
+  """One cycle, top to bottom (adaptive: verify the first n nodes, n chosen by
+  adaptive_choice, in the one branch of a lax.switch that runs)."""
   _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
   tree = draft(params, cfg, settings, state)
-  verified = verify(params, cfg, settings, state, tree)
-  accepted = accept(settings, tree, verified, accept_key_B)
-  return commit(params, settings, state, tree, verified, accepted)
+
+  def cycle(tree):
+    verified = verify(params, cfg, settings, state, tree)
+    accepted = accept(settings, tree, verified, accept_key_B)
+    return commit(params, settings, state, tree, verified, accepted)
+  if not settings.adaptive:
+    return cycle(tree)
+  return jax.lax.switch(adaptive_choice(settings, state, tree),
+                        [functools.partial(lambda n: cycle(tree_lib.prefix(tree, n)), n)
+                         for n, _ in settings.node_costs])
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,

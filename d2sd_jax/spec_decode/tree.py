@@ -223,16 +223,19 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
   Pool node p carries a token, a parent (a pool index, -1 for the anchor), a score (log of its
   estimated probability of being reached and accepted; -inf: never) and a depth. When scores
   never rise from parent to child, the best nodes are closed under taking parents, so they
-  form a tree. The chosen nodes are ordered by depth, then pool index, so every parent
-  precedes its children; a node whose parent was not chosen (possible only on score ties) or
-  whose score is -inf is invalid, and so is everything under it."""
+  form a tree. The chosen nodes are ordered best first (by score, then depth, then pool
+  index), so every parent precedes its children and the first n nodes are the best tree of n
+  (`prefix`: what an adaptive cycle verifies); a node whose parent was not chosen (possible only
+  on score ties) or whose score is -inf is invalid, and so is everything under it."""
   B, P = token_BxP.shape
   M = size - 1
   if M > P:
     raise ValueError(f'a tree of {size} nodes needs a pool of at least {M} candidates, not {P}')
   rows = jnp.arange(B)[:, None]
   _, chosen = jax.lax.top_k(score_BxP, M)  # [B, M]
-  order = jnp.argsort(jnp.take_along_axis(depth_BxP, chosen, 1) * P + chosen, axis=1)
+  order = jax.vmap(lambda score, depth, index: jnp.lexsort((index, depth, -score)))(
+      jnp.take_along_axis(score_BxP, chosen, 1), jnp.take_along_axis(depth_BxP, chosen, 1),
+      chosen)
   chosen = jnp.take_along_axis(chosen, order, 1)
   node_of_BxP = jnp.full((B, P), -1, jnp.int32).at[rows, chosen].set(
       jnp.broadcast_to(jnp.arange(1, M + 1, dtype=jnp.int32), (B, M)))
@@ -248,6 +251,15 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
   score = jnp.concatenate([jnp.zeros((B, 1)), jnp.take_along_axis(score_BxP, chosen, 1)], 1)
   return Tree(tokens_BxT=tokens.astype(jnp.int32), parents_BxT=parents, valid_BxT=valid,
               score_BxT=jnp.where(valid, score, -jnp.inf).astype(jnp.float32))
+
+
+def prefix(tree: Tree, n: int) -> Tree:
+  """The first n nodes of a tree whose parents precede their children (best_of_pool's: its
+  best tree of n nodes)."""
+  cut = lambda x: None if x is None else x[:, :n]
+  return Tree(tokens_BxT=tree.tokens_BxT[:, :n], parents_BxT=tree.parents_BxT[:, :n],
+              valid_BxT=tree.valid_BxT[:, :n], q_BxTxV=cut(tree.q_BxTxV),
+              score_BxT=cut(tree.score_BxT))
 
 
 def expected_drafts(tree: Tree) -> jax.Array:

@@ -511,6 +511,24 @@ def test_sampled_window_law_through_branches(tiny, sampled_drafters, method, sam
   assert stats['off_chain'] >= 0.1 * stats['cycles'], stats
 
 
+@pytest.mark.parametrize('method', ['d2sd_tree', pytest.param('ddtree', marks=pytest.mark.slow)])
+def test_sampled_window_law_of_adaptive_trees(tiny, sampled_drafters, method):
+  """spec.adaptive at T 0.6 with top-k 4: whichever size each cycle verifies (the first n nodes
+  of the best-first tree), four generated tokens follow the target's joint law, and cycles
+  commit several tokens."""
+  cfg, params = tiny
+  settings = USER_SAMPLINGS[BRANCH_SAMPLING]
+  gen = AR.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0, sampling=settings)
+  spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG,
+                         n_branches=2, tree_budget=BRANCH_BUDGET, adaptive=True,
+                         node_costs=((2, 1.0), (4, 1.2), (BRANCH_BUDGET, 1.5)))
+  law = window_law(cfg, params, WINDOW_PROMPT, settings, 4)
+  counts, accepted, cycles = sampled_windows(cfg, sampled_drafters, spec, WINDOW_PROMPT, runs=8)
+  stat, dof = pooled_chi2(counts, law)
+  assert stat < chi2_999(dof), (stat, dof)
+  assert accepted > 0.1 * cycles, (accepted, cycles)
+
+
 @pytest.mark.parametrize('lam', [0.0, 0.5])
 def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
   """λ > 0 through the whole loop over four tokens: a drafter that always proposes the same

@@ -276,3 +276,44 @@ def test_tree_budget_checks():
     spec_for('d2sd', 3)
   with pytest.raises(ValueError, match='lookup_accept'):
     spec_for('d2sd_tree', 8, lookup_accept=(0.5, 1.0))
+
+
+@pytest.mark.parametrize('method', ['d2sd_tree', pytest.param('ddtree', marks=pytest.mark.slow)])
+def test_adaptive_trees_equal_ar_and_choose_their_size_every_cycle(tiny, trained, method):
+  """spec.adaptive: the greedy output is AR's; every cycle verifies the shape with the most
+  expected tokens per cost (each live row's 1 + the scores of its tree's first n - 1 nodes,
+  summed, over the shape's cost), computed here from the drafted tree; and on these prompts
+  the cycles choose more than one shape."""
+  cfg, params = tiny
+  costs = ((2, 1.0), (4, 1.25), (8, 1.6))
+  spec = spec_for(method, 8, max_new=20, adaptive=True, node_costs=costs)
+  ar_out, sp_out, _ = H.run_both(cfg, trained, PROMPTS, spec)
+  assert sp_out == ar_out
+  _, init, _, step = H.jitted()
+  draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(len(PROMPTS))),
+               SP.cache_size_needed(block.shape[1], spec))
+  chosen = []
+  while not bool(state.done_B.all()):
+    live = ~np.asarray(state.done_B)
+    reach = np.exp(np.asarray(draft(trained, cfg, spec, state).score_BxT, np.float64)[:, 1:])
+    rate = [sum(1 + reach[b, :n - 1].sum() for b in np.flatnonzero(live)) / c for n, c in costs]
+    want = costs[int(np.argmax(rate))][0]
+    new = step(trained, cfg, spec, state)
+    verified = np.asarray(new.verified_nodes_B - state.verified_nodes_B)
+    assert list(verified[live]) == [want] * int(live.sum()) and not verified[~live].any()
+    chosen.append(want)
+    state = new
+  assert len(set(chosen)) > 1, chosen
+
+
+def test_adaptive_settings_are_checked():
+  with pytest.raises(ValueError, match="method 'd2sd' has a fixed tree"):
+    spec_for('d2sd', 0, adaptive=True, node_costs=((4, 1.0),))
+  with pytest.raises(ValueError, match=r'node_costs=\(\) must pair .*leave it empty'):
+    spec_for('d2sd_tree', 8, adaptive=True)
+  with pytest.raises(ValueError, match='must pair distinct tree sizes in 2..8'):
+    spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0), (16, 2.0)))
+  with pytest.raises(ValueError, match='set adaptive=True or drop them'):
+    spec_for('d2sd_tree', 8, node_costs=((4, 1.0),))
