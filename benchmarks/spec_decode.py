@@ -18,15 +18,35 @@ script checks that each method's completions equal AR's token for token (lossles
 one JSON line per method: tau (tokens per verification cycle, bonus included), decode tokens/s,
 the speed-up in per-token decode latency over AR measured in this run, the per-stage times and
 the acceptance histogram; prefill is reported separately.
+
+Unseen prompts, variants and a record:
+  python benchmarks/spec_decode.py --set package:networkx [--chat] --prompts 12 --new_tokens 96 \
+      --drafter1 drafters/smollm2-drafter1 --drafter2 drafters/smollm2-drafter2 --gamma 8 \
+      --methods 'pld,dflash,d2sd_tree(tree_budget=16),d2sd_tree(tree_budget=32;adaptive=True),auto' \
+      --out results/unseen.json
+--set package:NAME takes the documented functions of an installed package as plain completions,
+or with --chat as questions about what each does (benchmarks/drafter_quality.py's
+package_prompts). A method may carry knobs in parentheses, separated by ';' (spec fields, or
+drafter1= / drafter2= folders: 'd2sd_tree(tree_budget=16;drafter2=drafters/smollm2-drafter1)'
+loads drafter 1 as drafter 2). AR runs first and last; speed-ups are against the mean of the
+two. auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
+D2SD_COST_CACHE) unless --warm_auto. Best-first trees report expected_tau (their scores'
+prediction of tau). --out keeps the run (command, date, machine, every row) in a JSON file,
+keyed by prompt set.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import datetime
 import gzip
 import importlib.util
 import io
 import json
 import os
+import platform
+import re
+import shlex
 import sys
 import tempfile
 
@@ -64,6 +84,41 @@ def held_out_record_prompts(path: str, n: int, chat: bool) -> list[str]:
   return prompts
 
 
+def parse_methods(text: str) -> list[tuple[str, str, dict]]:
+  """'pld,d2sd_tree(tree_budget=16;adaptive=True)' -> [(label, method, {knob: value})]; values
+  are Python literals where they parse as one (16, True, 0.5), else strings (folders)."""
+  out = []
+  for label in re.findall(r'[^,(]+(?:\([^)]*\))?', text):
+    label = label.strip()
+    if not label:
+      continue
+    m = re.fullmatch(r'([\w]+)(?:\((.*)\))?', label)
+    if m is None:
+      raise SystemExit(f'--methods: cannot read {label!r} (METHOD or METHOD(knob=value;...))')
+    knobs = {}
+    for item in filter(None, (m.group(2) or '').split(';')):
+      key, _, value = item.partition('=')
+      try:
+        knobs[key.strip()] = ast.literal_eval(value.strip())
+      except (ValueError, SyntaxError):
+        knobs[key.strip()] = value.strip()
+    out.append((label, m.group(1), knobs))
+  return out
+
+
+def keep(path: str, key: str, run: dict) -> None:
+  """Stores this run under `key` in the JSON file at `path` (other keys kept)."""
+  book = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      book = json.load(f)
+  book[key] = run
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(book, f, indent=1)
+  os.replace(tmp, path)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--prompts', type=int, default=20)
@@ -84,11 +139,23 @@ def main():
                       help="a distillation folder: its held-out records' prompts")
   parser.add_argument('--stage_times', action=argparse.BooleanOptionalAction, default=True,
                       help='also time draft / verify / accept alone (3 more programs a method)')
+  parser.add_argument('--set', default='', help='package:NAME: documented functions of a package')
+  parser.add_argument('--warm_auto', action='store_true',
+                      help="auto keeps this machine's remembered choices and cost cache")
+  parser.add_argument('--out', default='', help='keep the run in this JSON file')
   args = parser.parse_args()
+  methods = parse_methods(args.methods)
 
   with tempfile.TemporaryDirectory() as tmp:
     prompts_file = os.path.join(tmp, 'prompts.jsonl')
-    if args.records:
+    if args.set:
+      if not args.set.startswith('package:'):
+        raise SystemExit(f'--set {args.set}: use package:NAME')
+      sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+      from drafter_quality import package_prompts  # pylint: disable=import-outside-toplevel
+      lines = [json.dumps({'prompt': p}) + '\n'
+               for p in package_prompts(args.set.split(':', 1)[1], args.prompts, args.chat)]
+    elif args.records:
       lines = [json.dumps({'prompt': p}) + '\n'
                for p in held_out_record_prompts(args.records, args.prompts, args.chat)]
     elif args.prompts_file:
@@ -99,51 +166,89 @@ def main():
     with open(prompts_file, 'w') as f:
       f.writelines(lines)
 
-    def run(method):
+    def run(method, knobs=None, label=None):
+      knobs = dict(knobs or {})
       c = smollm2_config.get_config()
-      out = os.path.join(tmp, f'{method}.jsonl')
+      out = os.path.join(tmp, 'out.jsonl')
       c.update(method=method, prompts_file=prompts_file, chat=args.chat, batch_size=1,
                target=args.target, dtype=args.dtype,
-               max_new_tokens=args.new_tokens, output=out, drafter1=args.drafter1,
-               drafter2=args.drafter2, stage_times=args.stage_times and method != 'ar')
+               max_new_tokens=args.new_tokens, output=out,
+               drafter1=knobs.pop('drafter1', args.drafter1),
+               drafter2=knobs.pop('drafter2', args.drafter2),
+               stage_times=args.stage_times and method not in ('ar', 'auto'))
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
                     redraft=args.redraft, steps=args.steps)
-      stats = generate_lib.run(c, out=io.StringIO())
+      c.spec.update(knobs)
+      env = {}
+      if method == 'auto' and not args.warm_auto:  # fresh choice and cost caches
+        for name in ('D2SD_AUTO_CACHE', 'D2SD_COST_CACHE'):
+          env[name] = os.environ.get(name)
+          os.environ[name] = tempfile.mkdtemp(dir=tmp, prefix=name.lower())
+      try:
+        stats = generate_lib.run(c, out=io.StringIO())
+      finally:
+        for name, value in env.items():
+          if value is None:
+            os.environ.pop(name, None)
+          else:
+            os.environ[name] = value
       with open(out) as f:
         return stats, [json.loads(line)['completion_ids'] for line in f]
 
+    def ar_row(stats):
+      ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
+      row = {'method': 'ar', 'ms_per_token': round(ms, 2),
+             'decode_tokens_per_s': stats['decode_tokens_per_s'], 'prefill_s': stats['prefill_s']}
+      print(json.dumps(row), flush=True)
+      return row
+
     ar_stats, ar_ids = run('ar')
-    ar_ms = 1e3 * ar_stats['decode_s'] / (ar_stats['new_tokens'] - ar_stats['prompts'])
-    print(json.dumps({'method': 'ar', 'ms_per_token': round(ar_ms, 2),
-                      'decode_tokens_per_s': ar_stats['decode_tokens_per_s'],
-                      'prefill_s': ar_stats['prefill_s']}), flush=True)
+    rows = [ar_row(ar_stats)]
+    ar_ms = rows[0]['ms_per_token']
     summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
                'target': args.target, 'dtype': args.dtype,
-               'prompts_file': (f'held-out records of {args.records}' if args.records else
+               'prompts_file': (args.set if args.set else
+                                f'held-out records of {args.records}' if args.records else
                                 args.prompts_file or 'HumanEval'),
                'ar_tokens_per_s': ar_stats['decode_tokens_per_s']}
-    for method in args.methods.split(','):
-      stats, ids = run(method)
+    for label, method, knobs in methods:
+      stats, ids = run(method, knobs)
       same = sum(a == b for a, b in zip(ar_ids, ids))
       ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
-      row = {'method': method, 'lossless': same == len(ar_ids),
+      row = {'method': label, 'lossless': same == len(ar_ids),
              'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats.get('tau', 1.0),
              'ms_per_token': round(ms, 2), 'decode_tokens_per_s': stats['decode_tokens_per_s'],
              'speedup_vs_ar': round(ar_ms / ms, 3), 'tree_size': stats.get('tree_size'),
              'stage_ms': stats.get('stage_ms'),
              'accepted_histogram': stats.get('accepted_histogram'),
-             'prefill_s': stats['prefill_s']}
+             'prefill_s': stats['prefill_s'], 'expected_tau': stats.get('expected_tau'),
+             'mean_tree_size': stats.get('mean_tree_size')}
       # method=auto: its choice, prediction and every candidate's figures
       for k in ('auto_choice', 'predicted_tokens_per_s', 'auto_source', 'auto_s',
                 'auto_candidates'):
         if k in stats:
           row[k] = stats[k]
       print(json.dumps(row), flush=True)
-      summary[f'{method}_tau'] = row['tau']
-      summary[f'{method}_speedup'] = row['speedup_vs_ar']
+      rows.append(row)
       if not row['lossless']:
-        raise SystemExit(f'{method} changed {len(ar_ids) - same} completions: not lossless')
+        raise SystemExit(f'{label} changed {len(ar_ids) - same} completions: not lossless')
+    # AR again, last: the machine's drift over the run; speed-ups against the mean of the two
+    last = ar_row(run('ar')[0])
+    rows.append(dict(last, method='ar (last)'))
+    ar_ms = (rows[0]['ms_per_token'] + last['ms_per_token']) / 2
+    for row in rows:
+      row['speedup_vs_ar'] = round(ar_ms / row['ms_per_token'], 3)
+      if row['method'] not in ('ar', 'ar (last)'):
+        summary[f"{row['method']}_tau"] = row['tau']
+        summary[f"{row['method']}_speedup"] = row['speedup_vs_ar']
+    summary['ar_last_tokens_per_s'] = last['decode_tokens_per_s']
     print(json.dumps({'summary': 'spec_decode', **summary}))
+    if args.out:
+      keep(args.out, f"{summary['prompts_file']}|{'chat' if args.chat else 'plain'}", {
+          'command': 'python ' + ' '.join(shlex.quote(a) for a in sys.argv),
+          'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+          'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
+          'summary': summary, 'rows': rows})
 
 
 if __name__ == '__main__':

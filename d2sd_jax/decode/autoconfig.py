@@ -68,6 +68,7 @@ from d2sd_jax.perf import throughput
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.formats import checkpoints
+from d2sd_jax.train import calibration
 
 PROBE_TOKENS = 128  # at most; the request's own max_new_tokens when smaller
 PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first warms up)
@@ -273,8 +274,10 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
     each falling back to whatever is measured;
   - the others' τ: a drafter's acceptance tells of the prompts, so every unmeasured candidate
     that drafts with the drafters has its extra tokens (τ - 1) scaled by the ratio the drafter
-    candidate measured last shows (its measured τ - 1 over its prior's); prompt lookup's keeps
-    its prior until measured, as it depends on repetition, not on the drafters.
+    candidate measured last shows (its measured τ - 1 over its prior's);
+  - prompt lookup's τ, measured or not, is what it would have taken on every batch's outputs
+    so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends on
+    how much the request repeats itself, which no prior knows.
 
   The remembered choice becomes whichever now predicts fastest: generate's next batch (or the
   next request) decodes with it and measures it in turn. Returns the rewritten record, or None
@@ -294,6 +297,7 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
     # this candidate's program was timed before: how its cycle moved is the machine's drift
     machine = (measured['decode_s'] / measured['decode_steps']) / (
         old['unit_s'] / old['decode_steps'])
+  _see_lookup(record, measured)
   entry = {k: measured[k] + (RECENCY * old[k] if old else 0)
            for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
   # the seconds it would have taken at machine 1: the program's own cost
@@ -321,6 +325,7 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
              'pld': ar_step_ms(by_kind['ar'] or spec)}
   tau_of = {n: (m['decode_tokens'] / m['cycles'] if m['cycles'] else 1.0)
             for n, m in timed.items()}
+  seen = record.get('lookup_seen', {})
   last = record.get('scale_from')
   scale = ((tau_of[last] - 1) / (table[last]['prior_tau'] - 1)
            if last in timed and table[last]['prior_tau'] > 1 else 1.0)
@@ -333,6 +338,8 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
       if row['method'] not in ('ar', 'pld'):
         tau = 1.0 + (tau - 1.0) * scale
       cycle = row['cycle_ar_steps'] * step_of.get(kind(name), step_of['pld'])
+    if row['method'] == 'pld' and seen.get('cycles'):
+      tau = seen['tokens'] / seen['cycles']  # (every batch's outputs, whichever decoded them)
     row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
@@ -340,6 +347,26 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
                 source='prior+measured', prompt_scale=round(scale, 4))
   files.write_json(path, record)
   return record
+
+
+def _see_lookup(record: dict, measured: dict) -> None:
+  """Adds to record['lookup_seen'] the tokens and cycles prompt lookup would have taken on the
+  batch's completions (measured['prompt_ids'], measured['completion_ids']: every method's
+  outputs are the target's own, so at T = 0 this is what pld does on them, calibration.
+  lookup_cycles, exactly), the earlier batches weighed by RECENCY. Prompt lookup's τ is then
+  known from the first batch on, whichever candidate decoded it: its prior cannot know how
+  much a request repeats its prompt."""
+  pld = next((row for row in record['auto_candidates'].values() if row['method'] == 'pld'), None)
+  if pld is None or 'completion_ids' not in measured:
+    return
+  gamma = pld['spec'].get('gamma', SP.SpecSettings.gamma)
+  ngram_max = pld['spec'].get('ngram_max', SP.SpecSettings.ngram_max)
+  tokens = sum(max(len(c) - 1, 0) for c in measured['completion_ids'])
+  cycles = sum(calibration.lookup_cycles(p, c, gamma, ngram_max)
+               for p, c in zip(measured['prompt_ids'], measured['completion_ids']))
+  old = record.get('lookup_seen', {'tokens': 0.0, 'cycles': 0.0})
+  record['lookup_seen'] = {'tokens': tokens + RECENCY * old['tokens'],
+                           'cycles': cycles + RECENCY * old['cycles']}
 
 
 def learns(path: str) -> bool:

@@ -107,7 +107,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
       parts.append({'choice': label, 'prompts': len(part_ids)})
     record = autoconfig.learn(auto_stats['auto_file'], {
         'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
-        'decode_steps': part['decode_steps']}, batch)
+        'decode_steps': part['decode_steps'], 'prompt_ids': prompt_ids[start:start + step],
+        'completion_ids': part_ids}, batch)
     if record['auto_choice'] != label and len(ids) < len(prompt_ids):
       print(f"auto: after {len(ids)} prompts, {label} now predicts "
             f"{record['auto_candidates'][label]['predicted_tokens_per_s']:.2f} tokens/s and "
@@ -138,6 +139,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   if budgeted_cycles:
     # what the trees' own scores predicted τ to be: a check of their calibration
     stats['expected_tau'] = round(1.0 + st['expected'] / budgeted_cycles, 3)
+  if st.get('node_tally') is not None:  # spec.tally_nodes: [sources][depths][bins][3]
+    stats['node_tally'] = st['node_tally'].tolist()
   if options.method != 'ar' and st['cycles']:
     stats['mean_tree_size'] = round(st['nodes'] / st['cycles'], 3)  # (adaptive: as chosen)
   if options.method != 'ar':
@@ -171,8 +174,10 @@ def _time_candidate(target, drafters, options, tok, prompt_ids, longest, limit, 
   tokens = sum(map(len, ids)) - len(ids)
   record = autoconfig.learn(path, {'decode_tokens': tokens,
                                    'cycles': tokens if label == 'ar' else t['cycles'],
-                                   'decode_s': t['decode_s'],
-                                   'decode_steps': t['decode_steps']}, batch, label=label)
+                                   'decode_s': t['decode_s'], 'decode_steps': t['decode_steps'],
+                                   # (only AR's tokens teach prompt lookup: the others repeat them)
+                                   **({'prompt_ids': prompt_ids[:batch], 'completion_ids': ids}
+                                      if label == 'ar' else {})}, batch, label=label)
   return record, runner.compile_s - before
 
 

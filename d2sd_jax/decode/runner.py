@@ -6,6 +6,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
@@ -213,7 +214,8 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
                    width: int | None = None, first_row: int = 0, max_new: int | None = None):
   """Generates up to `max_new` tokens (None: the runner's bound) for every prompt in batches of
   `batch_size`. Returns (completion ids per prompt,
-  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, expected, first_batch).
+  stats dict: prefill_s, decode_s, decode_steps, cycles, hist, expected, first_batch, and
+  node_tally [sources, depths, bins, 3] where the settings tally nodes).
 
   Every batch gets the same prompt width, `width` or else the longest prompt's, bucketed: one
   prefill and one decode-loop program for the run, whatever the prompt lengths of each batch
@@ -245,6 +247,10 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
         stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
         stats['expected'] += float(row_expected[i])
         stats['nodes'] += int(row_nodes[i])
+    tally = getattr(state, 'node_tally', None)  # SpecSettings.tally_nodes: the real rows'
+    if tally is not None:
+      tally = np.asarray(jax.device_get(tally))[:len(rows)].sum(0)
+      stats['node_tally'] = tally if 'node_tally' not in stats else stats['node_tally'] + tally
   return completions, stats
 
 
@@ -256,4 +262,6 @@ def add_stats(a: dict, b: dict) -> dict:
     out[k] = a[k] + b[k]
   out['hist'] = b['hist'] if a['hist'] is None else a['hist'] if b['hist'] is None else (
       a['hist'] + b['hist'])
+  if 'node_tally' in b:
+    out['node_tally'] = b['node_tally'] + a.get('node_tally', 0)
   return out

@@ -8,6 +8,7 @@ drafter-only form that ships (parameters in bfloat16, no optimizer state).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -103,7 +104,57 @@ def _latest(path: str):
   d['feature_layers'] = tuple(d['feature_layers'])
   d['confidence_temperature'] = meta.get('confidence_temperature', d.get('confidence_temperature',
                                                                           1.0))
+  d['node_calibration'] = read_node_calibration(path) or as_curves(d.get('node_calibration', ()))
   return mngr, step, meta, drafter_lib.DrafterConfig(**d)
+
+
+# The best-first trees' reliability curves of a drafter folder (DrafterConfig.node_calibration),
+# beside its checkpoints: written by scripts/calibrate_nodes.py, read with the drafter.
+CALIBRATION_FILE = 'node_calibration.json'
+
+
+def as_curves(table) -> tuple:
+  """DrafterConfig.node_calibration from JSON's lists ({proposer: [[estimates, rates], ...]} or
+  [[proposer, curves], ...]), checked: estimates increasing in (0, 1], rates in [0, 1]."""
+  items = table.items() if isinstance(table, dict) else table
+  out = []
+  for source, curves in items:
+    groups = []
+    for xs, ys in curves:
+      xs, ys = tuple(float(x) for x in xs), tuple(float(y) for y in ys)
+      if (len(xs) != len(ys) or not xs or any(b <= a for a, b in zip(xs, xs[1:])) or
+          not 0 < xs[0] <= xs[-1] <= 1 or any(not 0 <= y <= 1 for y in ys)):
+        raise ValueError(f'node calibration of {source!r}: a curve needs increasing estimates in '
+                         f'(0, 1] and rates in [0, 1] of the same length, not {xs} / {ys}: '
+                         'refit it with scripts/calibrate_nodes.py')
+      groups.append((xs, ys))
+    out.append((str(source), tuple(groups)))
+  return tuple(out)
+
+
+def read_node_calibration(path: str) -> tuple:
+  """The curves in a drafter folder's CALIBRATION_FILE (() when it has none)."""
+  file = os.path.join(path, CALIBRATION_FILE)
+  if not os.path.exists(file):
+    return ()
+  try:
+    with open(file) as f:
+      return as_curves(json.load(f)['curves'])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'{file} is damaged ({e}): delete it to decode with raw scores, or refit it '
+                     'with scripts/calibrate_nodes.py') from e
+
+
+def write_node_calibration(path: str, curves: dict, about: dict) -> str:
+  """Writes {proposer: curves} (as_curves checks them) with `about` (command, date, prompts)
+  into the drafter folder, atomically; returns the file."""
+  as_curves(curves)
+  file = os.path.join(resolve_path(path), CALIBRATION_FILE)
+  tmp = file + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump({**about, 'curves': curves}, f, indent=1)
+  os.replace(tmp, file)
+  return file
 
 
 def read_drafter_config(path: str) -> tuple[drafter_lib.DrafterConfig, dict]:

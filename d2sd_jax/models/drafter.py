@@ -44,6 +44,11 @@ class DrafterConfig:
   confidence_temperature: float = 1.0  # c = max softmax(logits / T), T fitted on held-out data
   head_vocab: int = 0  # 0: the target's whole vocabulary; N: only N tokens (a cheaper head)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3 layers, DFlash drafters)
+  # Best-first trees' reliability curves, fitted on held-out prompts with this drafter
+  # (scripts/calibrate_nodes.py; the drafter folder's node_calibration.json): ((proposer,
+  # ((estimates, accepted rates) per depth group)), ...) for the proposers the drafter scores
+  # (drafter 1: its own nodes and prompt lookup's; drafter 2: its re-drafts). Empty: raw scores.
+  node_calibration: tuple = ()
 
   def __post_init__(self):
     for name in ('n_layers', 'd_model', 'n_heads', 'n_kv_heads', 'head_dim', 'd_ff'):

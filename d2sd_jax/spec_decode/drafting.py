@@ -281,12 +281,16 @@ def d2sd_pld(params, cfg, settings, state) -> tree_lib.Tree:
 
 def ddtree(params, cfg, settings, state) -> tree_lib.Tree:
   """DDTree (Ringel et al.): the tree_size - 1 likeliest prefixes under the product of drafter
-  1's calibrated per-position marginals, from drafter 1's one block (tree.beam_pool)."""
+  1's calibrated per-position marginals, from drafter 1's one block (tree.beam_pool), through
+  drafter 1's reliability curve where it carries one (SpecSettings.node_calibration)."""
   W = settings.tree_size - 1
   _, _, _, (logp_BxGxW, ids_BxGxW) = first_draft(params, cfg, settings, state, topk=W)
   token, parent, score, depth = tree_lib.beam_pool(logp_BxGxW, ids_BxGxW)
+  source = jnp.zeros_like(token)
+  score = tree_lib.fall_along_paths(tree_lib.calibrate(
+      score, source, depth, settings.node_calibration), parent, settings.gamma)
   return tree_lib.best_of_pool(state.anchor_B, token, parent, score, depth, settings.tree_size,
-                               settings.gamma)
+                               settings.gamma, source_BxP=source)
 
 
 def _beam_paths(token_BxP, parent_BxP, G: int, W: int):
@@ -314,7 +318,9 @@ def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
                             drafter 2's calibrated confidences along the branch;
     prompt lookup           its proposal, a^d at depth d, a = settings.lookup_accept[n - 1]
                             for a match of n tokens.
-  A node proposed twice is one node with the higher score (tree.merge_paths)."""
+  A node proposed twice is one node with the higher score (tree.merge_paths). Each proposer's
+  scores go through its reliability curve where the drafters carry one (tree.calibrate,
+  SpecSettings.node_calibration), and are then capped by their parents' along every path."""
   G, K, W = settings.gamma, settings.n_branches, settings.tree_size - 1
   B = state.seq_len_B.shape[0]
   chain_BxG, conf_BxG, _, (logp_BxGxW, ids_BxGxW) = first_draft(params, cfg, settings, state,
@@ -355,9 +361,15 @@ def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
   depth = jnp.concatenate([jnp.broadcast_to(depth_N, (B, G - 1)), b_depth,
                            jnp.broadcast_to(jnp.tile(depth_N, K), (B, K * (G - 1))),
                            jnp.broadcast_to(depth_N, (B, G - 1))], 1)
-  token, parent, merged = tree_lib.merge_paths(path, depth, score)
+  n_d1 = (G - 1) + b_token.shape[1]
+  source = jnp.broadcast_to(jnp.concatenate([
+      jnp.full((n_d1,), 0, jnp.int32), jnp.full((K * (G - 1),), 1, jnp.int32),
+      jnp.full((G - 1,), 2, jnp.int32)]), score.shape)
+  score = tree_lib.calibrate(score, source, depth, settings.node_calibration)
+  token, parent, merged, source = tree_lib.merge_paths(path, depth, score, source)
+  merged = tree_lib.fall_along_paths(merged, parent, G)
   return tree_lib.best_of_pool(state.anchor_B, token, parent, merged, depth, settings.tree_size,
-                               G)
+                               G, source_BxP=source)
 
 
 def pack_tree(anchor_B, chain_BxG, branches_BxKxG, cut_BxK, size: int,

@@ -62,6 +62,13 @@ class SpecSettings:
   # and what a cycle of each costs on this machine. decode.py and Decoder.generate measure them
   # (perf.costmodel.measure, cached) when left empty.
   node_costs: tuple[tuple[int, float], ...] = ()
+  # Best-first trees: count, per proposer, depth and bin of estimated probability, how many
+  # verified nodes were accepted (SpecState.node_tally; scripts/calibrate_nodes.py reads it).
+  tally_nodes: bool = False
+  # Best-first trees: map each proposer's scores through the reliability curves the drafters
+  # carry (DrafterConfig.node_calibration: drafter 1's for its own nodes and prompt lookup's,
+  # drafter 2's for its re-drafts); False: the raw estimates (what calibrate_nodes.py fits on).
+  calibrated: bool = True
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
@@ -104,6 +111,9 @@ class SpecSettings:
                          'leave it empty in decode.py or Decoder.generate to measure them')
     elif self.node_costs:
       raise ValueError('node_costs are the adaptive tree\'s: set adaptive=True or drop them')
+    if self.tally_nodes and not method.budgeted:
+      raise ValueError(f'tally_nodes=True counts a best-first tree\'s scored nodes: method '
+                       f'{self.method!r} scores none (use ddtree or d2sd_tree)')
     if method.budgeted:
       if self.tree_budget == 1:
         raise ValueError(f'tree_budget=1 leaves {self.method!r} no draft node: use 0 (as many '
@@ -126,6 +136,17 @@ class SpecSettings:
     """Nodes verified per cycle, the anchor included."""
     full = drafting.get(self.method).nodes(self)
     return min(full, self.tree_budget) if self.tree_budget else full
+
+  @property
+  def node_calibration(self) -> tuple:
+    """tree.calibrate's table, ((proposer, curves), ...), from the drafters this method uses
+    (empty when not `calibrated` or when they carry none)."""
+    if not self.calibrated:
+      return ()
+    own = {'drafter1': ('drafter1', 'lookup'), 'drafter2': ('drafter2',)}
+    return tuple((source, curves) for name in self.drafters
+                 for source, curves in getattr(self, name).node_calibration
+                 if source in own[name])
 
   @property
   def max_commit(self) -> int:
@@ -153,6 +174,9 @@ class SpecState:
   steps: jax.Array  # int32 scalar: loop iterations (cycles of the slowest row)
   verified_nodes_B: jax.Array  # int32: tree nodes verified in the row's live cycles, summed
   draft_caches: dict  # drafter name -> context K/V (target features of the committed tokens)
+  # settings.tally_nodes: [B, sources, gamma-1 depths, bins, 3] tree.node_tally summed over the
+  # row's live cycles (None otherwise)
+  node_tally: jax.Array | None = None
 
   @property
   def anchor_B(self):
@@ -232,7 +256,10 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    accepted_hist_BxC=jnp.zeros((B, settings.max_commit), jnp.int32),
                    expected_B=jnp.zeros((B,), jnp.float32),
                    steps=jnp.zeros((), jnp.int32),
-                   verified_nodes_B=jnp.zeros((B,), jnp.int32), draft_caches=caches)
+                   verified_nodes_B=jnp.zeros((B,), jnp.int32), draft_caches=caches,
+                   node_tally=jnp.zeros((B, len(tree_lib.SOURCES), settings.gamma - 1,
+                                         len(tree_lib.TALLY_EDGES) - 1, 3), jnp.float32)
+                   if settings.tally_nodes else None)
 
 
 def prepare(params, cfg: model_lib.ModelConfig) -> dict:
@@ -363,7 +390,11 @@ def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree
   num_out = state.num_out_B + n_commit_B
   done = state.done_B | (live_B & (hit_eos_B | (num_out >= state.max_new_B)))
   hist = state.accepted_hist_BxC.at[rows, acc.accept_len_B].add(live_B)
-  return state.replace(cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
+  tally = state.node_tally
+  if tally is not None:
+    tally = tally + jnp.where(live_B[:, None, None, None, None], tree_lib.node_tally(
+        tree, v.depth_BxT, acc.path_BxC, acc.accept_len_B, settings.gamma), 0.0)
+  return state.replace(node_tally=tally, cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxC=hist, steps=state.steps + 1,

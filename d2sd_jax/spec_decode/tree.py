@@ -26,6 +26,9 @@ class Tree:
   # accepted (node 0: 0; an invalid node: -inf), from which a cycle expects 1 + sum(exp(score))
   # committed tokens. None for the other trees.
   score_BxT: jax.Array | None = None
+  # Best-first trees: which proposer scored each node (SOURCES; -1: the anchor). What the
+  # node tally (SpecSettings.tally_nodes) counts acceptance by, and node_calibration maps by.
+  source_BxT: jax.Array | None = None
 
   @property
   def size(self) -> int:
@@ -217,7 +220,7 @@ def _walk_point_masses(tree: Tree, target_logits_BxTxV, settings, u_BxT, lenienc
 
 
 def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: int,
-                 max_depth: int) -> Tree:
+                 max_depth: int, source_BxP=None) -> Tree:
   """The `size` - 1 best-scored nodes of a pool as a Tree (node 0 = the anchor).
 
   Pool node p carries a token, a parent (a pool index, -1 for the anchor), a score (log of its
@@ -226,7 +229,8 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
   form a tree. The chosen nodes are ordered best first (by score, then depth, then pool
   index), so every parent precedes its children and the first n nodes are the best tree of n
   (`prefix`: what an adaptive cycle verifies); a node whose parent was not chosen (possible only
-  on score ties) or whose score is -inf is invalid, and so is everything under it."""
+  on score ties) or whose score is -inf is invalid, and so is everything under it. source_BxP:
+  each candidate's proposer (SOURCES), kept with the chosen nodes."""
   B, P = token_BxP.shape
   M = size - 1
   if M > P:
@@ -249,8 +253,10 @@ def best_of_pool(anchor_B, token_BxP, parent_BxP, score_BxP, depth_BxP, size: in
     valid = valid & jnp.take_along_axis(valid, parents, 1)
   tokens = jnp.concatenate([anchor_B[:, None], jnp.take_along_axis(token_BxP, chosen, 1)], 1)
   score = jnp.concatenate([jnp.zeros((B, 1)), jnp.take_along_axis(score_BxP, chosen, 1)], 1)
+  source = None if source_BxP is None else jnp.concatenate(
+      [jnp.full((B, 1), -1, jnp.int32), jnp.take_along_axis(source_BxP, chosen, 1)], 1)
   return Tree(tokens_BxT=tokens.astype(jnp.int32), parents_BxT=parents, valid_BxT=valid,
-              score_BxT=jnp.where(valid, score, -jnp.inf).astype(jnp.float32))
+              score_BxT=jnp.where(valid, score, -jnp.inf).astype(jnp.float32), source_BxT=source)
 
 
 def prefix(tree: Tree, n: int) -> Tree:
@@ -259,7 +265,70 @@ def prefix(tree: Tree, n: int) -> Tree:
   cut = lambda x: None if x is None else x[:, :n]
   return Tree(tokens_BxT=tree.tokens_BxT[:, :n], parents_BxT=tree.parents_BxT[:, :n],
               valid_BxT=tree.valid_BxT[:, :n], q_BxTxV=cut(tree.q_BxTxV),
-              score_BxT=cut(tree.score_BxT))
+              score_BxT=cut(tree.score_BxT), source_BxT=cut(tree.source_BxT))
+
+
+# The proposers of a best-first tree's nodes (Tree.source_BxT indexes this).
+SOURCES = ('drafter1', 'drafter2', 'lookup')
+# The node tally's bins of estimated probability exp(score): their edges.
+TALLY_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def node_tally(tree: Tree, depth_BxT, path_BxC, accept_len_B, max_depth: int) -> jax.Array:
+  """[B, len(SOURCES), max_depth - 1, len(TALLY_EDGES) - 1, 3] what one cycle's verified nodes
+  say about their scores: for each proposer, depth and bin of estimated probability, the valid
+  nodes (count), their estimated probabilities summed, and how many were accepted (on the
+  accepted path). Summed over cycles, accepted / count against estimated / count is the
+  reliability of each proposer's scores (scripts/calibrate_nodes.py)."""
+  B, T = tree.tokens_BxT.shape
+  C = path_BxC.shape[1]
+  on_path_BxCxT = (path_BxC[:, :, None] == jnp.arange(T)[None, None]) & (
+      jnp.arange(C)[None, :, None] >= 1) & (jnp.arange(C)[None, :, None] <= accept_len_B[:, None, None])
+  accepted_BxT = jnp.any(on_path_BxCxT, axis=1)
+  p_BxT = jnp.exp(tree.score_BxT)
+  edges = jnp.asarray(TALLY_EDGES[1:-1], jnp.float32)
+  bin_BxT = jnp.sum(p_BxT[..., None] >= edges, axis=-1)
+  nb, S, D = len(TALLY_EDGES) - 1, len(SOURCES), max_depth - 1
+  live = tree.valid_BxT & (tree.source_BxT >= 0) & (depth_BxT >= 1)
+  cell_BxT = (jnp.clip(tree.source_BxT, 0, S - 1) * D + jnp.clip(depth_BxT - 1, 0, D - 1)) * nb + bin_BxT
+  values_BxTx3 = jnp.stack([jnp.ones_like(p_BxT), p_BxT, accepted_BxT.astype(jnp.float32)], -1)
+  values_BxTx3 = jnp.where(live[..., None], values_BxTx3, 0.0)
+  out = jnp.zeros((B, S * D * nb, 3), jnp.float32)
+  out = out.at[jnp.arange(B)[:, None], cell_BxT].add(values_BxTx3)
+  return out.reshape(B, S, D, nb, 3)
+
+
+# Node calibration maps a proposer's estimate by the depth of the node: 1, 2, and 3 or deeper.
+CALIBRATION_DEPTHS = 3
+
+
+def calibrate(score_BxP, source_BxP, depth_BxP, table) -> jax.Array:
+  """Scores (log estimated probabilities) through each proposer's reliability curve: `table`
+  maps a SOURCES name to one curve per depth group (CALIBRATION_DEPTHS), a curve being
+  (estimates, accepted rates) at increasing estimates, measured on held-out prompts
+  (scripts/calibrate_nodes.py) and interpolated linearly between them (flat past the last; 0
+  at 0). A proposer the table does not name keeps its scores."""
+  if not table:
+    return score_BxP
+  p = jnp.exp(score_BxP)
+  out = score_BxP
+  group = jnp.clip(depth_BxP, 1, CALIBRATION_DEPTHS) - 1
+  for s, name in enumerate(SOURCES):
+    for g, (xs, ys) in enumerate(dict(table).get(name, ())):
+      mapped = jnp.interp(p, jnp.asarray((0.0,) + tuple(xs), jnp.float32),
+                          jnp.asarray((0.0,) + tuple(ys), jnp.float32))
+      out = jnp.where((source_BxP == s) & (group == g), jnp.log(jnp.maximum(mapped, 1e-30)), out)
+  return jnp.where(jnp.isfinite(score_BxP), out, score_BxP)
+
+
+def fall_along_paths(score_BxP, parent_BxP, max_depth: int) -> jax.Array:
+  """Each score capped by its parent's (parent -1: the anchor), down the whole path, so that
+  scores never rise from parent to child, as best_of_pool needs (calibrated scores of two
+  proposers, or of two depth groups, may)."""
+  for _ in range(max_depth - 2):
+    above = jnp.take_along_axis(score_BxP, jnp.maximum(parent_BxP, 0), 1)
+    score_BxP = jnp.where(parent_BxP >= 0, jnp.minimum(score_BxP, above), score_BxP)
+  return score_BxP
 
 
 def expected_drafts(tree: Tree) -> jax.Array:
@@ -300,12 +369,12 @@ def beam_pool(top_logp_BxGxW, top_ids_BxGxW):
           jnp.concatenate(scores, 1), jnp.broadcast_to(depth, (B, (G - 1) * W)))
 
 
-def merge_paths(path_BxPxN, depth_BxP, score_BxP):
+def merge_paths(path_BxPxN, depth_BxP, score_BxP, source_BxP):
   """A pool given by paths: node p is the path path[p, :depth[p]] below the anchor. Nodes with
   the same path are one node, kept at its lowest pool index with the highest of their scores
-  (the others get -inf); each node's parent is the kept node of its path minus the last token.
-  Returns (token, parent, score) [B, P] for `best_of_pool`. Every proposer must propose whole
-  paths (each node's prefixes too), so every parent exists."""
+  and that score's proposer (the others get -inf); each node's parent is the kept node of its
+  path minus the last token. Returns (token, parent, score, source) [B, P] for `best_of_pool`.
+  Every proposer must propose whole paths (each node's prefixes too), so every parent exists."""
   B, P, N = path_BxPxN.shape
   n = jnp.arange(N)
 
@@ -316,9 +385,11 @@ def merge_paths(path_BxPxN, depth_BxP, score_BxP):
   same = agree(depth_BxP) & (depth_BxP[:, :, None] == depth_BxP[:, None, :])
   first = jnp.argmax(same, axis=2)  # the lowest index with the same path (p itself at worst)
   kept = first == jnp.arange(P)[None]
-  merged = jnp.max(jnp.where(same, score_BxP[:, None, :], -jnp.inf), axis=2)
+  alike = jnp.where(same, score_BxP[:, None, :], -jnp.inf)
+  merged = jnp.max(alike, axis=2)
+  source = jnp.take_along_axis(source_BxP, jnp.argmax(alike, axis=2), 1)
   is_parent = agree(depth_BxP) & (depth_BxP[:, None, :] == depth_BxP[:, :, None] - 1) & kept[:, None]
   parent = jnp.where(depth_BxP <= 1, -1, jnp.argmax(is_parent, axis=2)).astype(jnp.int32)
   orphan = (depth_BxP > 1) & ~jnp.any(is_parent, axis=2)
   token = jnp.take_along_axis(path_BxPxN, jnp.clip(depth_BxP - 1, 0, N - 1)[..., None], 2)[..., 0]
-  return token, parent, jnp.where(kept & ~orphan, merged, -jnp.inf)
+  return token, parent, jnp.where(kept & ~orphan, merged, -jnp.inf), source

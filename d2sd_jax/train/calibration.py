@@ -101,6 +101,24 @@ def lookup_proposal(seq: list[int], gamma: int, ngram_max: int) -> tuple[list[in
   return [], 0
 
 
+def lookup_cycles(prompt: list[int], completion: list[int], gamma: int, ngram_max: int) -> int:
+  """The cycles prompt lookup (drafting.pld, greedy) takes to produce `completion` after
+  `prompt`: every output equals the target's greedy one whatever the method, so a completion
+  decoded by any method says what pld would have done on it. A cycle accepts its proposal's
+  tokens while they equal the completion's, then the target's own token, up to the
+  completion's end (its first token is the prefill's)."""
+  done, cycles = 1, 0
+  while done < len(completion):
+    proposal, _ = lookup_proposal(list(prompt) + list(completion[:done]), gamma, ngram_max)
+    room = len(completion) - done
+    k = 0
+    while k < min(len(proposal), room) and proposal[k] == completion[done + k]:
+      k += 1
+    done += min(k + 1, room)
+    cycles += 1
+  return cycles
+
+
 def lookup_accept_rates(sequences, prompt_lens, gamma: int, ngram_max: int, stride: int = 1):
   """Prompt lookup's per-token acceptance rate after a match of n = 1..ngram_max tokens, as
   d2sd_tree scores its nodes (settings.lookup_accept): greedy verification accepts a proposal's

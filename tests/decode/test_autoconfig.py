@@ -17,6 +17,7 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.models import drafter as D
 from d2sd_jax.perf import throughput
 from d2sd_jax.spec_decode import drafting
+from d2sd_jax.train import calibration
 
 TDCFG = D.DrafterConfig(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                         d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
@@ -284,8 +285,16 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   assert set(measured) == {p['choice'] for p in parts} | {'ar'}
   assert table['pld(gamma=4)']['tau'] <= 4
   measured.pop('ar')  # (no step timed)
+  # prompt lookup's τ: what it would have taken on every batch's outputs (its own and dflash's)
+  seen = record['lookup_seen']
+  assert seen['tokens'] == sum(len(r['completion_ids']) - 1 for r in out)
+  assert seen['cycles'] == sum(calibration.lookup_cycles(
+      target.tokenizer.encode_prompt(p, False, {}), r['completion_ids'], 4, 3)
+                               for p, r in zip(prompts, out))
+  assert table['pld(gamma=4)']['tau'] == pytest.approx(seen['tokens'] / seen['cycles'], abs=1e-3)
   for label, m in measured.items():
-    assert table[label]['tau'] == pytest.approx(m['decode_tokens'] / m['cycles'], abs=1e-3)
+    if label != 'pld(gamma=4)':
+      assert table[label]['tau'] == pytest.approx(m['decode_tokens'] / m['cycles'], abs=1e-3)
     # (its program's cost, at how slow the machine ran last: test_learn_... below)
     assert table[label]['cycle_ms'] == pytest.approx(
         1e3 * record['machine'] * m['unit_s'] / m['decode_steps'], rel=1e-3)
@@ -328,6 +337,9 @@ def test_auto_times_ar_and_the_priors_pick_before_its_first_choice(
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.4, 1.0), 'dflash': (1.5, 1.0)})
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 12)
   monkeypatch.setattr(autoconfig, 'TIMED_FIRST', timed_first)
+  # (prompt lookup predicted by its prior here, not by what the outputs say it would take:
+  # test_learn_predicts_prompt_lookup_from_every_batchs_outputs)
+  monkeypatch.setattr(autoconfig, '_see_lookup', lambda record, measured: None)
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -377,10 +389,11 @@ def test_a_switch_decodes_with_the_new_candidates_knobs_and_not_the_last_ones(
   branch, prompt lookup's program has the default n_branches, as the program it was weighed by.
   Outputs equal AR's."""
   # the prior's pick is d2sd(K=1); untrained drafters accept little, and pld keeps its prior
-  # until measured, so the second prompt moves to pld
+  # (not predicted from the outputs here), so the second prompt moves to pld
   target, drafters, _ = _auto_with_prior(
       tiny_folder, monkeypatch, tmp_path,
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (3.0, 1.0), 'd2sd(K=1)': (3.5, 1.0)}, drafter2=True)
+  monkeypatch.setattr(autoconfig, '_see_lookup', lambda record, measured: None)
   monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
   monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
   prompts = ['abcabcabcabc', 'hello hello hello']
@@ -547,3 +560,30 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   assert rec['machine'] == pytest.approx(0.9)
   assert rec['auto_candidates']['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
   assert rec['auto_candidates']['ar']['cycle_ms'] == pytest.approx(45)
+
+
+def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
+  """Whatever decoded a batch, its outputs tell prompt lookup's τ on it (calibration.
+  lookup_cycles), so a prior that underrates prompt lookup on a repetitive request is
+  overruled by AR's timing tokens alone; later batches add to it, the earlier ones weighed by
+  RECENCY."""
+  path = tmp_path / 'r.json'
+  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4),
+          'd2sd_tree(N=8)': ('d2sd_tree', 2.0, 1.7)}
+  path.write_text(json.dumps(_prior_record(rows)))
+  prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+  repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # the completion repeats the prompt
+  cycles = calibration.lookup_cycles(prompt, repeat, 8, 3)
+  assert cycles < (len(repeat) - 1) / 3
+  rec = autoconfig.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+                                     'decode_steps': 23, 'prompt_ids': [prompt],
+                                     'completion_ids': [repeat]}, 1, label='ar')
+  assert rec['auto_candidates']['pld']['tau'] == pytest.approx(23 / cycles, abs=1e-3)
+  assert rec['auto_choice'] == 'pld'
+  # a batch that repeats nothing: lookup proposes nothing, one token a cycle
+  fresh = list(range(100, 124))
+  rec = autoconfig.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+                                     'decode_steps': 23, 'prompt_ids': [prompt],
+                                     'completion_ids': [fresh]}, 1, label='ar')
+  assert rec['auto_candidates']['pld']['tau'] == pytest.approx(
+      (23 + 0.5 * 23) / (23 + 0.5 * cycles), abs=1e-3)

@@ -97,7 +97,7 @@ def test_best_of_pool_invalidates_what_hangs_under_an_unchosen_node():
 
 def test_merge_paths_keeps_one_node_per_path_with_the_best_score():
   """Against a dict of paths: each distinct path once, at its lowest pool index, with the max
-  score of its copies, its parent the node of its prefix."""
+  score of its copies and that copy's proposer, its parent the node of its prefix."""
   rng = np.random.default_rng(0)
   B, P, N = 2, 40, 3
   depth = rng.integers(1, N + 1, (B, P))
@@ -115,13 +115,16 @@ def test_merge_paths_keeps_one_node_per_path_with_the_best_score():
     for p, (pa, d) in enumerate(rows):
       full_path[b, p], full_depth[b, p] = pa, d
   full_score[:, :P] = rng.normal(-5, 2, (B, P))
-  token, parent, merged = tree_lib.merge_paths(jnp.asarray(full_path), jnp.asarray(full_depth),
-                                               jnp.asarray(full_score, jnp.float32))
+  full_source = rng.integers(0, 3, (B, P2))
+  token, parent, merged, source = tree_lib.merge_paths(
+      jnp.asarray(full_path), jnp.asarray(full_depth), jnp.asarray(full_score, jnp.float32),
+      jnp.asarray(full_source, jnp.int32))
   for b in range(B):
-    best, first = {}, {}
+    best, first, by = {}, {}, {}
     for p in range(P2):
       key = tuple(full_path[b, p, :full_depth[b, p]].tolist())
-      best[key] = max(best.get(key, -np.inf), full_score[b, p])
+      if full_score[b, p] > best.get(key, -np.inf):
+        best[key], by[key] = full_score[b, p], full_source[b, p]
       first.setdefault(key, p)
     kept = {p: key for key, p in first.items()}
     for p in range(P2):
@@ -130,6 +133,7 @@ def test_merge_paths_keeps_one_node_per_path_with_the_best_score():
         continue
       key = kept[p]
       np.testing.assert_allclose(float(merged[b, p]), best[key], rtol=1e-6)
+      assert int(source[b, p]) == by[key], (b, p)
       assert int(token[b, p]) == key[-1]
       assert int(parent[b, p]) == (first[key[:-1]] if len(key) > 1 else -1), (b, p, key)
 

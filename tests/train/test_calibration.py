@@ -79,3 +79,20 @@ def test_lookup_accept_rates_by_hand():
   # -> [8, 7]; seq[3:] = [8, 7]: both accepted. t=4: [7, 8, 7, 8]: tail [7, 8] at 0 -> [7, 8];
   # seq[4:] = [7, 8]: both accepted.
   assert stops == [0, 0] and rates[0] == 1.0 and rates[1] == 1.0
+
+
+def test_lookup_cycles_counts_the_cycles_pld_takes(tiny):
+  """C.lookup_cycles, from the prompts and completions alone, gives the cycles the pld program
+  ran on the tiny target (greedy, rows ending at the limit), with proposals accepted (so a
+  wrong acceptance count or commit length shows)."""
+  from d2sd_jax.spec_decode import ar as AR  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=import-outside-toplevel
+  from tests.helpers import loop_checks as H  # pylint: disable=import-outside-toplevel
+  from tests.helpers.tiny_drafters import PROMPTS  # pylint: disable=import-outside-toplevel
+  cfg, params = tiny
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=24, eos_ids=(), pad_id=0),
+                         method='pld', gamma=5, ngram_max=2)
+  outs, counts = H.run_cycles(cfg, {'target': params}, spec, PROMPTS, check_caches=False)
+  assert counts['accepted'] > 0, counts
+  assert sum(C.lookup_cycles(p, o, 5, 2) for p, o in zip(PROMPTS, outs)) == counts['cycles']
+  assert C.lookup_cycles([1, 2], [3], 5, 2) == 0  # the prefill's token alone: no cycle
