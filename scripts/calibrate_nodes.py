@@ -4,7 +4,8 @@ them with the drafters (their folders' node_calibration.json; DrafterConfig.node
 
   python scripts/calibrate_nodes.py [--packages sympy,pydantic,hypothesis,werkzeug]
       [--prompts 6] [--kinds plain,chat] [--budgets 8,16,32] [--new_tokens 96]
-      [--drafter1 drafters/smollm2-drafter1] [--drafter2 drafters/smollm2-drafter2] [--write]
+      [--temperatures 0,0.7] [--drafter1 drafters/smollm2-drafter1]
+      [--drafter2 drafters/smollm2-drafter2] [--write]
 
 The prompts are the documented functions of installed packages that no training set holds
 (plain completions, and questions about them in the chat template; benchmarks/drafter_quality.py's
@@ -16,12 +17,16 @@ proposer and depth group (tree.CALIBRATION_DEPTHS) the curve is each bin's accep
 mean estimate, shrunk toward the group's overall rate where the bin holds few nodes, made
 non-decreasing (pool-adjacent-violators). It prints each proposer's estimated against accepted
 nodes before and after; --write stores the curves: drafter 1's folder gets its own and prompt
-lookup's, drafter 2's its re-drafts'.
+lookup's, drafter 2's its re-drafts'. Sampling accepts less than greedy matching, so each
+temperature of --temperatures gets curves of its own (named 'lookup@0.7' for T = 0.7; plain
+'lookup' for greedy), and a decode takes those fitted nearest its temperature
+(SpecSettings.node_calibration).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -115,6 +120,7 @@ def main(argv=None):
   ap.add_argument('--kinds', default='plain,chat')
   ap.add_argument('--budgets', default='8,16,32', help='d2sd_tree node budgets to decode at')
   ap.add_argument('--new_tokens', type=int, default=96)
+  ap.add_argument('--temperatures', default='0,0.7', help='sampling temperatures to fit at')
   ap.add_argument('--target', default='smollm2')
   ap.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   ap.add_argument('--drafter2', default='drafters/smollm2-drafter2')
@@ -125,19 +131,26 @@ def main(argv=None):
   if reserved:
     raise SystemExit(f'--packages {",".join(reserved)}: reserved for evaluation; fit on others')
   dec = d2sd_jax.load(args.target, args.drafter1, args.drafter2)
-  tally = None
-  for kind in args.kinds.split(','):
-    chat = kind == 'chat'
-    prompts = [p for pkg in packages for p in package_prompts(pkg, args.prompts, chat)]
-    for budget in (int(b) for b in args.budgets.split(',')):
-      g = dec.generate(prompts, max_new_tokens=args.new_tokens, method='d2sd_tree', chat=chat,
-                       batch_size=1, tree_budget=budget, calibrated=False, tally_nodes=True)
-      part = np.asarray(g.stats['node_tally'])
-      tally = part if tally is None else tally + part
-      print(f"{kind} budget {budget}: tau {g.stats['tau']}, raw expected tau "
-            f"{g.stats['expected_tau']}", flush=True)
-  curves = fit_curves(tally)
-  print('\n'.join(report(tally, curves)))
+  curves, tallies = {}, {}
+  for temperature in (float(t) for t in args.temperatures.split(',')):
+    tally = None
+    for kind in args.kinds.split(','):
+      chat = kind == 'chat'
+      prompts = [p for pkg in packages for p in package_prompts(pkg, args.prompts, chat)]
+      for budget in (int(b) for b in args.budgets.split(',')):
+        g = dec.generate(prompts, max_new_tokens=args.new_tokens, method='d2sd_tree', chat=chat,
+                         batch_size=1, tree_budget=budget, calibrated=False, tally_nodes=True,
+                         temperature=temperature)
+        part = np.asarray(g.stats['node_tally'])
+        tally = part if tally is None else tally + part
+        print(f"T {temperature} {kind} budget {budget}: tau {g.stats['tau']}, raw expected tau "
+              f"{g.stats['expected_tau']}", flush=True)
+    suffix = f'@{temperature:g}' if temperature else ''
+    fitted = fit_curves(tally)
+    curves.update({name + suffix: c for name, c in fitted.items()})
+    tallies[temperature] = tally
+    print(f'T = {temperature:g}:')
+    print('\n'.join(report(tally, fitted)))
   if args.write:
     about = {'command': 'python ' + ' '.join(shlex.quote(a) for a in sys.argv),
              'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
@@ -145,11 +158,26 @@ def main(argv=None):
              'packages': packages, 'prompts_per_package': args.prompts, 'kinds': args.kinds,
              'budgets': args.budgets, 'new_tokens': args.new_tokens,
              'drafter1': args.drafter1, 'drafter2': args.drafter2,
-             'nodes': {n: int(np.asarray(tally)[s, ..., 0].sum())
-                       for s, n in enumerate(tree_lib.SOURCES)}}
+             'temperatures': args.temperatures,
+             'nodes': {f'{n} at T {t:g}': int(np.asarray(tally)[s, ..., 0].sum())
+                       for t, tally in tallies.items() for s, n in enumerate(tree_lib.SOURCES)}}
     for folder, names in ((args.drafter1, ('drafter1', 'lookup')), (args.drafter2, ('drafter2',))):
-      print('wrote', checkpoints.write_node_calibration(folder, {n: curves[n] for n in names},
-                                                        about))
+      mine = {label: c for label, c in curves.items() if label.partition('@')[0] in names}
+      kept, fits = stored(folder)  # the other temperatures' curves stay
+      fits.update({f'{t:g}': about for t in tallies})
+      print('wrote', checkpoints.write_node_calibration(folder, {**kept, **mine},
+                                                        {'fits': fits}))
+
+
+def stored(folder: str) -> tuple[dict, dict]:
+  """(curves, fits: {temperature: how they were fitted}) already in a drafter folder's file."""
+  path = os.path.join(checkpoints.resolve_path(folder), checkpoints.CALIBRATION_FILE)
+  if not os.path.exists(path):
+    return {}, {}
+  with open(path) as f:
+    book = json.load(f)
+  fits = book.get('fits') or {'0': {k: v for k, v in book.items() if k != 'curves'}}
+  return dict(book.get('curves', {})), fits
 
 
 if __name__ == '__main__':

@@ -140,13 +140,21 @@ class SpecSettings:
   @property
   def node_calibration(self) -> tuple:
     """tree.calibrate's table, ((proposer, curves), ...), from the drafters this method uses
-    (empty when not `calibrated` or when they carry none)."""
+    (empty when not `calibrated` or when they carry none). A drafter may carry curves fitted at
+    several sampling temperatures ('lookup' at T = 0, 'lookup@0.7' at T = 0.7): each proposer
+    takes those fitted nearest this program's temperature."""
     if not self.calibrated:
       return ()
     own = {'drafter1': ('drafter1', 'lookup'), 'drafter2': ('drafter2',)}
-    return tuple((source, curves) for name in self.drafters
-                 for source, curves in getattr(self, name).node_calibration
-                 if source in own[name])
+    temperature = self.generation.sampling.temperature
+    best = {}  # proposer -> (distance in temperature, curves)
+    for name in self.drafters:
+      for label, curves in getattr(self, name).node_calibration:
+        source, _, fitted_at = label.partition('@')
+        distance = abs(float(fitted_at or 0.0) - temperature)
+        if source in own[name] and (source not in best or distance < best[source][0]):
+          best[source] = (distance, curves)
+    return tuple((source, curves) for source, (_, curves) in best.items())
 
   @property
   def max_commit(self) -> int:

@@ -206,3 +206,25 @@ def test_the_fitted_curves_reproduce_the_tallied_acceptance():
 def test_the_fit_refuses_the_evaluation_packages():
   with pytest.raises(SystemExit, match='reserved for evaluation'):
     _script().main(['--packages', 'sympy,networkx'])
+
+
+def test_each_proposer_takes_the_curves_fitted_nearest_the_temperature():
+  """Curves named 'proposer@T' were fitted at temperature T (plain: greedy): a program takes,
+  per proposer, those nearest its own temperature, and only from the drafter that owns them."""
+  greedy = tuple(((1.0,), (0.9,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  warm = tuple(((1.0,), (0.5,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  hot = tuple(((1.0,), (0.2,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  d1 = dataclasses.replace(DCFG, node_calibration=(
+      ('drafter1', greedy), ('drafter1@0.7', warm), ('drafter1@1.5', hot), ('lookup@0.7', warm),
+      ('drafter2', hot)))  # (drafter 2's curves are drafter 2's to carry)
+  d2 = dataclasses.replace(DCFG2, node_calibration=(('drafter2@0.7', warm),))
+
+  def table(temperature):
+    spec = spec_with(d1=d1, d2=d2)
+    gen = dataclasses.replace(spec.generation, sampling=dataclasses.replace(
+        spec.generation.sampling, temperature=temperature))
+    return dict(dataclasses.replace(spec, generation=gen).node_calibration)
+  assert table(0.0) == {'drafter1': greedy, 'lookup': warm, 'drafter2': warm}
+  assert table(0.8) == {'drafter1': warm, 'lookup': warm, 'drafter2': warm}
+  assert table(1.2)['drafter1'] == hot
+  assert dict(spec_with(d1=d1, d2=d2, calibrated=False).node_calibration) == {}
