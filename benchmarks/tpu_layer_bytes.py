@@ -67,7 +67,7 @@ def parts(cfg, T: int, context: int):
                    new_kv_only=T > 1)
 
   def attention(w, x_, pos_, kv_, clen_):
-    if fused.fits(T, hd, cfg.d_ff):
+    if fused.fits(T, hd, cfg.d_ff, cfg.d_model):
       return fused.attention(x_, w, pos_, kv_, clen_, tree, eps=cfg.norm_eps,
                              rope_base=cfg.rope_base, rope_freq_factors=cfg.rope_freq_factors,
                              out_dtype=lp['wo'].dtype)
@@ -80,7 +80,7 @@ def parts(cfg, T: int, context: int):
     return M.write_rows(kv_['k'], k_new, clen_)
 
   def mlp(w, x_):
-    if fused.fits(T, hd, cfg.d_ff):
+    if fused.fits(T, hd, cfg.d_ff, cfg.d_model):
       return fused.mlp(x_, w, eps=cfg.norm_eps)
     h = M.rms_norm(x_, w['mlp_norm'], cfg.norm_eps)
     gu = M.linear(h, M.as_matrix(w, 'w_gate_up')).reshape(1, T, 2, -1)

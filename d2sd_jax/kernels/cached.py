@@ -129,7 +129,7 @@ def _attend_local(q, k_cache, v_cache, len_B, k_new, v_new, bias, interpret: boo
       # and core (its block repeats along the KV heads)
       bytes_accessed=(q.size * (4 + jnp.dtype(out_dtype).itemsize)
                       + 2 * (k_cache.size + k_new.size) * itemsize
-                      + B * min(Hkv, 2) * bias[0].size * 4))
+                      + B * min(Hkv, partition.tensor_cores()) * bias[0].size * 4))
   return pl.pallas_call(
       functools.partial(_kernel, bk=bk, n_blocks=n_blocks, T=T),
       grid_spec=pltpu.PrefetchScalarGridSpec(

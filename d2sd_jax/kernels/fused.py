@@ -1,6 +1,6 @@
 """A decoding layer as two Pallas TPU kernels: its attention half (norm, q/k/v, q/k norms, RoPE
 and attention over the cache) and its MLP, each reading its weights once and its activations
-once.
+once (per TensorCore).
 
 In a decoding program (an AR step, a verified tree, a drafter's block: a few rows of new tokens)
 a layer is memory-bound on its weights, and XLA splits what surrounds each matmul into passes
@@ -9,27 +9,32 @@ q/k norms, RoPE and the query layout read 28 MB per layer beyond the projection'
 MLP's gate/up output written and read back 26 MB beyond its 302 MB
 (benchmarks/tpu_layer_bytes.py). Here those passes happen in VMEM:
 
-  attention  grid (row, KV head, cache blocks). At the first block: the attention norm of the
-       row's tokens, their projection onto the KV head's Hg query heads, key and value
-       ([Hg+2, hd, D] of `wqkv`), the q/k norms, RoPE ('rotate half' as a lane roll), the
-       queries scaled by 1/sqrt(hd) into VMEM, keys and values written out in the cache's
-       dtype, token by token ([B, T, Hkv·hd]: a verified tree's accepted path is a row
-       gather of them). Then `cached.flash_step`: the cache blocks in use, the new tokens
-       under their mask, the output in the output projection's layout. The queries (float32,
-       as many bytes as the rows) never leave VMEM.
+  attention  grid (KV head, row, cache blocks). At a row's first block: the attention norm of
+       its tokens, their projection onto the KV head's Hg query heads, key and value
+       ([Hg+2, hd, D] of `wqkv`, which stays in VMEM while every row uses it), the q/k norms,
+       RoPE ('rotate half' as a lane roll), the queries scaled by 1/sqrt(hd) into VMEM, keys
+       and values written out in the cache's dtype, token by token ([B, T, Hkv·hd]: a verified
+       tree's accepted path is a row gather of them). Then `cached.flash_step`: the cache
+       blocks in use, the new tokens under their mask, the output in the output projection's
+       layout. The rows, their RoPE tables and masks are one block each, read once; the
+       queries (float32, as many bytes as the rows) never leave VMEM. (With the rows outermost
+       a batch of B rows read every KV head's weights B times.)
   mlp  grid (core, F tiles): the MLP norm once into VMEM, then per tile of F the gate and up
        products, SiLU(gate) · up, and its product with the tile's `w_down` columns summed in
-       VMEM, the residual with the first. The F tiles are split in two halves on a 'parallel'
-       axis (a v5p's two TensorCores), and the halves' sums are added after.
+       the output block, which stays in VMEM, the residual with the first. On a chip of two
+       TensorCores (v4, v5p) the F tiles are split in two halves on a 'parallel' axis and the
+       halves' sums are added after; on a one-core chip (v5e, v6e) F is one sum
+       (`partition.tensor_cores`, from the devices compiled for).
 
 The values are the XLA forms' on a TPU: the matmuls take their inputs in the weights' dtype
 (what XLA does with float32 inputs at default precision) and accumulate in float32, every norm,
 RoPE, softmax and SiLU is float32 (tests/kernels/test_fused.py checks both kernels against
 `target.layer`'s XLA form through Pallas' interpreter). `target.layer` takes them in programs
 compiled for a TPU (`jax.lax.platform_dependent`) when `fits`: heads a multiple of 128 lanes and
-at most MAX_ROWS rows. Over a mesh they run per device (`shard_map`): rows over 'data', KV heads
-(attention) or F (mlp) over 'model', the MLP's partial sums reduced over 'model' as XLA's own
-partitioning reduces them.
+rows whose float32 activations fit VMEM beside the weights' tiles (MAX_ROW_BYTES). Over a mesh
+they run per device (`shard_map`): rows over 'data', KV heads (attention) or F (mlp) over
+'model'. The MLP's partial sums, and the output projection's (`out_projection`), are reduced
+over 'model' with the residual inside the first shard's, so no pass over the rows adds it after.
 """
 from __future__ import annotations
 
@@ -42,21 +47,23 @@ from jax.experimental.pallas import tpu as pltpu
 
 from d2sd_jax.kernels import cached, partition
 
-MAX_ROWS = 128  # new tokens per program (batch x T) the kernels hold in VMEM at once
+MAX_ROWS = 1024  # new tokens per program (batch x T) the kernels hold in VMEM at once
+MAX_ROW_BYTES = 12 << 20  # ... and their float32 rows [batch x T, D] at most
+VMEM_BUDGET = 56 << 20  # what a kernel's blocks may take of a core's VMEM (a v5p core: 64 MiB)
 F_TILES = (512, 256, 128)  # columns of F per MLP step, the largest that divides F / cores
 MLP_CORES = 2  # the MLP's parallel halves (a v5p or v4 chip's TensorCores; one core runs both)
 _NT = (((1,), (1,)), ((), ()))  # x [R, I] . w [O, I] -> [R, O]
 
 
-def fits(rows: int, head_dim: int, d_ff: int) -> bool:
-  """Whether a layer over `rows` new tokens takes these kernels on a TPU."""
-  return (rows <= MAX_ROWS and head_dim % 128 == 0
+def fits(rows: int, head_dim: int, d_ff: int, d_model: int = 0) -> bool:
+  """Whether a layer of width d_model over `rows` new tokens takes these kernels on a TPU."""
+  return (rows <= MAX_ROWS and 4 * rows * d_model <= MAX_ROW_BYTES and head_dim % 128 == 0
           and any(d_ff % (MLP_CORES * t) == 0 for t in F_TILES))
 
 
 def _vmem_limit(nbytes: int) -> int:
-  """The scoped VMEM to ask for: what the blocks need (double-buffered) with headroom."""
-  return int(min(max(2 * nbytes, 32 << 20), 100 << 20))
+  """The scoped VMEM to ask for: what the blocks need with headroom, within a v5p core's."""
+  return int(min(max(2 * nbytes, 32 << 20), VMEM_BUDGET + (4 << 20)))
 
 
 def _rms(x, w, eps):
@@ -100,19 +107,19 @@ def _attention_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bia
     refs = refs[:4] + (None,) + refs[4:]
   (len_ref, x_ref, nw_ref, w_ref, b_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
    bias_ref, o_ref, k_ref, v_ref, q_sc, m_sc, l_sc, acc_sc) = refs
-  j = pl.program_id(2)
+  b, j = pl.program_id(1), pl.program_id(2)
 
   @pl.when(j == 0)
   def _qkv():  # this KV head's queries into VMEM, its key and value out (the attention reads them)
-    h = _rms(x_ref[0], nw_ref[...], eps).astype(w_ref.dtype)
-    q, k, v = _project(h, w_ref, b_ref, qn_ref, kn_ref, cos_ref[0], sin_ref[0], Hg=Hg, eps=eps,
+    h = _rms(x_ref[b], nw_ref[...], eps).astype(w_ref.dtype)
+    q, k, v = _project(h, w_ref, b_ref, qn_ref, kn_ref, cos_ref[b], sin_ref[b], Hg=Hg, eps=eps,
                        qk_norm=qk_norm)
     q_sc[...] = q
     k_ref[0] = k.astype(k_ref.dtype)
     v_ref[0] = v.astype(v_ref.dtype)
 
-  cached.flash_step(q_sc[...], j, len_ref[pl.program_id(0)], kc_ref, vc_ref,
-                    lambda: (k_ref[0], v_ref[0]), bias_ref, o_ref, m_sc, l_sc, acc_sc, bk=bk,
+  cached.flash_step(q_sc[...], j, len_ref[b], kc_ref, vc_ref, lambda: (k_ref[0], v_ref[0]),
+                    bias_ref.at[pl.ds(b, 1)], o_ref, m_sc, l_sc, acc_sc, bk=bk,
                     n_blocks=n_blocks, T=T)
 
 
@@ -125,29 +132,35 @@ def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, 
   bk = cached.block_for(S)
   n_blocks = S // bk
   f32 = jnp.float32
-  row = lambda b, h, j, n: (b, 0, 0)
-  const2 = lambda b, h, j, n: (0, 0)
-  head = lambda b, h, j, n: (b, 0, h)  # KV head h's lanes of a token's row
-  specs = [pl.BlockSpec((1, T, D), row), pl.BlockSpec((1, D), const2),
-           pl.BlockSpec((1, G2, hd, D), lambda b, h, j, n: (h, 0, 0, 0))]
+  # Grid (KV head, row, cache block): a KV head's weights stay in VMEM while every row uses
+  # them (read once, not once per row), and the rows, their RoPE tables and new-token masks
+  # are one block each, read once (per core).
+  whole = lambda h, b, j, n: (0, 0, 0)
+  const2 = lambda h, b, j, n: (0, 0)
+  head = lambda h, b, j, n: (b, 0, h)  # KV head h's lanes of row b's tokens
+  specs = [pl.BlockSpec((B, T, D), whole), pl.BlockSpec((1, D), const2),
+           pl.BlockSpec((1, G2, hd, D), lambda h, b, j, n: (h, 0, 0, 0))]
   args = [x, nw, w]
   if bias is not None:
-    specs.append(pl.BlockSpec((1, G2, hd), lambda b, h, j, n: (h, 0, 0)))
+    specs.append(pl.BlockSpec((1, G2, hd), lambda h, b, j, n: (h, 0, 0)))
     args.append(bias.astype(f32))
-  cache_block = cached.cache_block_map(bk)
-  specs += ([pl.BlockSpec((1, hd), const2)] * 2 + [pl.BlockSpec((1, T, hd), row)] * 2
-            + [pl.BlockSpec((1, 1, bk, hd), cache_block)] * 2 + [pl.BlockSpec((1, R, T), row)])
+  in_row = cached.cache_block_map(bk)
+  cache_block = lambda h, b, j, n: in_row(b, h, j, n)
+  specs += ([pl.BlockSpec((1, hd), const2)] * 2 + [pl.BlockSpec((B, T, hd), whole)] * 2
+            + [pl.BlockSpec((1, 1, bk, hd), cache_block)] * 2 + [pl.BlockSpec((B, R, T), whole)])
   args += [qn, kn, cos, sin, k_cache, v_cache, tbias]
   cdtype = k_cache.dtype
   cbytes, wbytes = cdtype.itemsize, w.dtype.itemsize
-  cores = min(Hkv, 2)  # row blocks repeat along the KV heads: fetched once per row and core
+  # the KV heads split over the chip's TensorCores: each reads the rows once
+  cores = min(Hkv, partition.tensor_cores())
   kernel = functools.partial(_attention_kernel, Hg=Hg, T=T, eps=eps, qk_norm=qk_norm,
                              has_bias=bias is not None, bk=bk, n_blocks=n_blocks)
-  need = 4 * T * D + w[0].size * wbytes + 4 * bk * hd * cbytes + 4 * (2 * R * hd + R * T)
+  need = 4 * B * (T * D + 2 * T * hd + R * T) + w[0].size * wbytes + 4 * bk * hd * cbytes + (
+      4 * 2 * R * hd)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, Hkv, n_blocks), in_specs=specs,
+          num_scalar_prefetch=1, grid=(Hkv, B, n_blocks), in_specs=specs,
           out_specs=[pl.BlockSpec((1, T, Hg * hd), head), pl.BlockSpec((1, T, hd), head),
                      pl.BlockSpec((1, T, hd), head)],
           scratch_shapes=[pltpu.VMEM((R, hd), f32), pltpu.VMEM((R, 1), f32),
@@ -156,14 +169,14 @@ def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, 
                  jax.ShapeDtypeStruct((B, T, Hkv * hd), cdtype),
                  jax.ShapeDtypeStruct((B, T, Hkv * hd), cdtype)],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=('parallel', 'parallel', 'arbitrary'),
+          dimension_semantics=('parallel', 'arbitrary', 'arbitrary'),
           vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
           flops=2 * B * T * D * Hkv * G2 * hd + 4 * B * Hkv * R * (S + T) * hd,
           transcendentals=B * Hkv * (T + R * (S + T)),
-          # the weights; per row and core its rows, RoPE tables and new-token bias; the cache
+          # the weights once; per core the rows, RoPE tables and new-token masks; the cache
           # (at most all of it); the new K/V and the output written once
-          bytes_accessed=(w.size * wbytes + B * cores * 4 * (T * D + 2 * T * hd + R * T)
+          bytes_accessed=(w.size * wbytes + cores * 4 * B * (T * D + 2 * T * hd + R * T)
                           + 2 * k_cache.size * cbytes + 2 * B * Hkv * T * hd * cbytes
                           + B * T * Hkv * Hg * hd * jnp.dtype(out_dtype).itemsize)),
       interpret=interpret,
@@ -207,56 +220,59 @@ def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
   return local(*args)
 
 
-def _mlp_kernel(x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc, acc_sc, *, eps: float,
-                steps: int, residual: bool):
+def _mlp_kernel(keep_ref, x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc, *, eps: float,
+                steps: int):
   c, j = pl.program_id(0), pl.program_id(1)
 
   @pl.when(j == 0)
-  def _norm():
+  def _norm():  # (the output block stays in VMEM over the F tiles: it is the sum)
     x = x_ref[...]
     h_sc[...] = _rms(x, nw_ref[...], eps).astype(h_sc.dtype)
-    acc_sc[...] = jnp.where((c == 0) & residual, x, 0.0)  # the residual: in the first sum
+    # the residual, in the first sum (where keep_ref says: one shard of a split F)
+    o_ref[0] = jnp.where((c == 0) & (keep_ref[0] > 0), x, 0.0)
 
   f32 = jnp.float32
   h = h_sc[...]
   gate = jax.lax.dot_general(h, g_ref[0], _NT, preferred_element_type=f32)  # [R, tile]
   up = jax.lax.dot_general(h, u_ref[0], _NT, preferred_element_type=f32)
   act = (gate * jax.nn.sigmoid(gate) * up).astype(d_ref.dtype)
-  acc_sc[...] += jax.lax.dot_general(act, d_ref[...], _NT, preferred_element_type=f32)
-
-  @pl.when(j == steps - 1)
-  def _out():
-    o_ref[0] = acc_sc[...]
+  o_ref[0] += jax.lax.dot_general(act, d_ref[...], _NT, preferred_element_type=f32)
 
 
-def _mlp_local(x, nw, w_gate_up, w_down, *, eps, interpret, residual=True):
+def _mlp_local(x, nw, w_gate_up, w_down, keep=None, *, eps, interpret, cores=MLP_CORES):
+  """keep: int32 [1], whether the residual goes into the sum (None: it does)."""
   B, T, D = x.shape
   R, F = B * T, w_gate_up.shape[1]
-  cores = MLP_CORES if F % MLP_CORES == 0 else 1
-  tile = next(t for t in F_TILES if (F // cores) % t == 0)
-  steps = F // cores // tile
+  cores = cores if F % cores == 0 else 1
+  keep = jnp.ones((1,), jnp.int32) if keep is None else keep
   wbytes = w_gate_up.dtype.itemsize
+  # the largest F tile whose three weight tiles (double-buffered) fit beside the rows
+  tiles = [t for t in F_TILES if (F // cores) % t == 0]
+  rows_bytes = 2 * 4 * R * D + 2 * 4 * R * D + R * D * wbytes  # x and the sum (2 buffers), h
+  tile = next((t for t in tiles if rows_bytes + 6 * t * D * wbytes <= VMEM_BUDGET), tiles[-1])
+  steps = F // cores // tile
   f32 = jnp.float32
   col = lambda c, j: c * steps + j
-  need = 8 * R * D + 3 * tile * D * wbytes + R * D * (4 + wbytes)
+  need = rows_bytes + 6 * tile * D * wbytes
   partial_CxRxD = pl.pallas_call(
-      functools.partial(_mlp_kernel, eps=eps, steps=steps, residual=residual),
-      grid=(cores, steps),
-      in_specs=[pl.BlockSpec((R, D), lambda c, j: (0, 0)),
-                pl.BlockSpec((1, D), lambda c, j: (0, 0)),
-                pl.BlockSpec((1, tile, D), lambda c, j: (0, col(c, j), 0)),
-                pl.BlockSpec((1, tile, D), lambda c, j: (1, col(c, j), 0)),
-                pl.BlockSpec((D, tile), lambda c, j: (0, col(c, j)))],
-      out_specs=pl.BlockSpec((1, R, D), lambda c, j: (c, 0, 0)),
+      functools.partial(_mlp_kernel, eps=eps, steps=steps),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(cores, steps),
+          in_specs=[pl.BlockSpec((R, D), lambda c, j, k: (0, 0)),
+                    pl.BlockSpec((1, D), lambda c, j, k: (0, 0)),
+                    pl.BlockSpec((1, tile, D), lambda c, j, k: (0, col(c, j), 0)),
+                    pl.BlockSpec((1, tile, D), lambda c, j, k: (1, col(c, j), 0)),
+                    pl.BlockSpec((D, tile), lambda c, j, k: (0, col(c, j)))],
+          out_specs=pl.BlockSpec((1, R, D), lambda c, j, k: (c, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((R, D), w_gate_up.dtype)]),
       out_shape=jax.ShapeDtypeStruct((cores, R, D), f32),
-      scratch_shapes=[pltpu.VMEM((R, D), w_gate_up.dtype), pltpu.VMEM((R, D), f32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'arbitrary'),
                                            vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
           flops=6 * R * D * F, transcendentals=R * F,
           bytes_accessed=3 * F * D * wbytes + cores * 8 * R * D),
       interpret=interpret,
-  )(x.reshape(R, D), nw, w_gate_up, w_gate_up, w_down)
+  )(keep.astype(jnp.int32), x.reshape(R, D), nw, w_gate_up, w_gate_up, w_down)
   out_RxD = partial_CxRxD[0]
   for c in range(1, cores):
     out_RxD = out_RxD + partial_CxRxD[c]
@@ -265,19 +281,44 @@ def _mlp_local(x, nw, w_gate_up, w_down, *, eps, interpret, residual=True):
 
 def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
   """x + MLP(x) for the residual stream x (float32 [B, T, D]): RMSNorm (`mlp_norm`), then
-  w_down (SiLU(gate) * up) with gate/up from `w_gate_up` [2, F, D], `w_down` [D, F]."""
+  w_down (SiLU(gate) * up) with gate/up from `w_gate_up` [2, F, D], `w_down` [D, F]. F is
+  split over the chip's TensorCores (`partition.tensor_cores`: a one-core chip takes it whole,
+  without partial sums to add), and over a mesh's 'model' axis, whose partial sums are reduced
+  with the residual inside the first shard's (no pass of its own over the rows)."""
   f32 = jnp.float32
   x = x_BxTxD.astype(f32)
-  local = functools.partial(_mlp_local, eps=eps, interpret=interpret)
+  cores = partition.tensor_cores()
+  local = part = functools.partial(_mlp_local, eps=eps, interpret=interpret, cores=cores)
   split = partition.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
   if split:
     mesh, rows, cols = split
     P = jax.sharding.PartitionSpec
-    body = local
-    if cols:  # each device sums its part of F: reduce the parts, then add the residual
-      part = functools.partial(_mlp_local, eps=eps, interpret=interpret, residual=False)
-      body = lambda x_, *a: x_ + jax.lax.psum(part(x_, *a), cols)
+    body = part
+    if cols:  # each device sums its part of F, the first with the residual; then reduce
+      body = lambda x_, *a: jax.lax.psum(part(x_, *a, keep=(
+          jax.lax.axis_index(cols) == 0).astype(jnp.int32)[None]), cols)
     local = jax.shard_map(body, mesh=mesh,
                           in_specs=(P(rows, None, None), P(), P(None, cols, None), P(None, cols)),
                           out_specs=P(rows, None, None), check_vma=False)
   return local(x, lp['mlp_norm'].astype(f32)[None], lp['w_gate_up'], lp['w_down'])
+
+
+def out_projection(x_BxTxD, attn_BxTxE, wo_DxE):
+  """x + attn wo^T (float32), the attention half's residual add. Over a mesh whose 'model'
+  axis splits E (the heads), each device's partial product takes the residual on the first
+  shard and the sum is one reduction: XLA's own partitioning reduced the product, then added x
+  in a pass of its own over the rows."""
+  split = partition.kernel_axes(x_BxTxD.shape[0], wo_DxE.shape[1])
+  linear = lambda a, w: jnp.einsum('bte,de->btd', a, w, preferred_element_type=jnp.float32)
+  if not split or not split[2]:
+    return x_BxTxD + linear(attn_BxTxE, wo_DxE)
+  mesh, rows, cols = split
+  P = jax.sharding.PartitionSpec
+
+  def body(x, a, w):
+    first = jax.lax.axis_index(cols) == 0
+    return jax.lax.psum(linear(a, w) + jnp.where(first, x, 0.0), cols)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(rows, None, None), P(rows, None, cols),
+                                                  P(None, cols)),
+                       out_specs=P(rows, None, None), check_vma=False)(
+                           x_BxTxD.astype(jnp.float32), attn_BxTxE, wo_DxE)

@@ -1,5 +1,35 @@
-"""How a Pallas kernel, which XLA cannot partition, splits itself over the traced mesh."""
+"""How a Pallas kernel, which XLA cannot partition, splits itself over the traced mesh, and
+over the TensorCores of the chip it is compiled for."""
+import contextlib
+import contextvars
+
 import jax
+
+# TensorCores per chip by jax's device_kind: a 'parallel' grid axis is split over them (v4 and
+# v5p: two, one per half of the chip; v5e and v6e: one).
+TENSOR_CORES = {'TPU v4': 2, 'TPU v5': 2, 'TPU v5p': 2, 'TPU v5 lite': 1, 'TPU v5e': 1,
+                'TPU v6 lite': 1, 'TPU v6e': 1}
+_DEVICE_KIND = contextvars.ContextVar('d2sd_device_kind', default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(device_kind: str | None):
+  """Programs traced inside are for chips of this kind (`tensor_cores`)."""
+  token = _DEVICE_KIND.set(device_kind)
+  try:
+    yield
+  finally:
+    _DEVICE_KIND.reset(token)
+
+
+def tensor_cores(default: int = 2) -> int:
+  """TensorCores of the chip being compiled for: the kind `compiling_for` names (set by
+  `models.sharding.tracing_under` from the mesh's devices), else this host's TPU, else
+  `default` (two: what a v4 or v5p has, and a one-core chip runs a two-way split in turn)."""
+  kind = _DEVICE_KIND.get()
+  if kind is None and jax.default_backend() == 'tpu':
+    kind = jax.devices()[0].device_kind
+  return TENSOR_CORES.get(kind, default)
 
 
 def kernel_axes(batch: int, kv_heads: int):

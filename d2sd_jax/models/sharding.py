@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from d2sd_jax.kernels import partition
+
 RULES = {'vocab': 'model', 'kv_heads': 'model', 'heads': 'model', 'mlp': 'model',
          'features': 'model', 'batch': 'data', 'embed': None}
 
@@ -66,15 +68,21 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
   return Mesh(devices[:data * model].reshape(data, model), ('data', 'model'))
 
 
+@contextlib.contextmanager
 def tracing_under(mesh: Mesh | None):
   """The context to trace and run programs over `mesh` in: its abstract mesh
   (`jax.sharding.use_abstract_mesh`), so a kernel XLA cannot partition (the TPU attention
-  kernels, `d2sd_jax.kernels.partition.kernel_axes`) splits itself over the mesh's axes instead of failing to compile; a
-  no-op without a mesh. (`jax.set_mesh` would also make programs compiled ahead of time from
-  unplaced shapes expect replicated arguments: scripts/distill.py's generator then refused its
-  head-split caches.)"""
-  return (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else
-          contextlib.nullcontext())
+  kernels, `d2sd_jax.kernels.partition.kernel_axes`) splits itself over the mesh's axes
+  instead of failing to compile, and its devices' kind, from which the kernels take the chip's
+  TensorCores (`partition.tensor_cores`); a no-op without a mesh. (`jax.set_mesh` would also
+  make programs compiled ahead of time from unplaced shapes expect replicated arguments:
+  scripts/distill.py's generator then refused its head-split caches.)"""
+  if mesh is None:
+    yield
+    return
+  with partition.compiling_for(mesh.devices.flat[0].device_kind), \
+      jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    yield
 
 
 def spec_for(shape, logical_axes, mesh: Mesh) -> P:

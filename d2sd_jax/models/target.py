@@ -440,7 +440,7 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   args = (x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_BxTxT, write_start_B)
   xla = functools.partial(_layer_xla, cfg, block_size=block_size, fresh=fresh,
                           new_kv_only=new_kv_only)
-  if fresh or ctx_mask.ndim != 1 or not fused.fits(B * T, cfg.head_dim, cfg.d_ff):
+  if fresh or ctx_mask.ndim != 1 or not fused.fits(B * T, cfg.head_dim, cfg.d_ff, cfg.d_model):
     return xla(*args)
 
   def xla_as_kernels(*a):  # the kernels' layout of new K/V: both branches must match
@@ -488,7 +488,8 @@ def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, 
                    new_kv_only: bool = False):
   """`layer` through the TPU kernels: the attention half up to the output projection
   (`fused.attention`: norm, q/k/v, q/k norms, RoPE and attention over the cache in one kernel),
-  the MLP (`fused.mlp`); the output projection and the cache write as in the XLA form."""
+  the output projection with the residual (`fused.out_projection`), the MLP (`fused.mlp`); the
+  cache write as in the XLA form."""
   # (in the output projection's dtype: what its default-precision TPU matmul takes)
   attn_BxTxE, k_new_BxTxE, v_new_BxTxE = fused.attention(
       x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT, block_size, eps=cfg.norm_eps,
@@ -499,7 +500,7 @@ def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, 
   else:
     heads = lambda a: a.reshape(*a.shape[:2], -1, cfg.head_dim).transpose(0, 2, 1, 3)
     new_kv = _write_after(kv, heads(k_new_BxTxE), heads(v_new_BxTxE), attn_BxTxE, write_start_B)
-  x_BxTxD = x_BxTxD + linear(attn_BxTxE, lp['wo'])
+  x_BxTxD = fused.out_projection(x_BxTxD, attn_BxTxE, lp['wo'])
   return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret), new_kv
 
 

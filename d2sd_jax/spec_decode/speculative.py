@@ -297,21 +297,42 @@ class Verified:
   depth_BxT: jax.Array
   positions_BxT: jax.Array
   logits_BxTxV: jax.Array  # target logits at every node (its children's distribution)
-  new_kv: model_lib.Cache  # every node's K/V per layer (`forward`'s write_cache=False), not cached
-  features: jax.Array | None  # [B, T, Lf, D] target features of every node (drafter context)
+  # every node's K/V per layer (`forward`'s write_cache=False), not cached; [B, T', ...] with
+  # T' >= T nodes (`verified_nodes`: the padding's are never read)
+  new_kv: model_lib.Cache
+  features: jax.Array | None  # [B, T', Lf, D] target features of every node (drafter context)
+
+
+NODE_MULTIPLE = 8  # with several rows, the target verifies a multiple of this many nodes
+
+
+def verified_nodes(batch: int, nodes: int) -> int:
+  """Nodes the target pass runs for a tree of `nodes` nodes: with several rows, a multiple of
+  NODE_MULTIPLE. The TPU tiles a [B, T, D] activation by (8, 128) over its last two
+  dimensions, so with T not a multiple of 8 (D²SD's 76 nodes) every [B·T, D] view of it, as the
+  layer kernels and matmuls take it, was a relayout copy of the rows: on a v5p at batch 8 a
+  layer read 231 MB beyond its weights and KV at 76 nodes, 145 MB at 80
+  (benchmarks/tpu_compile.py; docs/scale-out.md). One row has no such views."""
+  if batch == 1:
+    return nodes
+  return -(-nodes // NODE_MULTIPLE) * NODE_MULTIPLE
 
 
 def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
   """Every node in one target pass after the committed context (shared prefixes once). The
-  cache is only read: `commit` writes the accepted path's K/V (`compact_cache`)."""
-  anc_BxTxT, depth_BxT = tree_lib.structure(tree)
+  cache is only read: `commit` writes the accepted path's K/V (`compact_cache`). The pass runs
+  `verified_nodes` nodes: the tree, then invalid leaves under the anchor (`tree.pad`), whose
+  logits are not computed."""
+  B, T = tree.tokens_BxT.shape
+  padded = tree_lib.pad(tree, verified_nodes(B, T))
+  anc_BxTxT, depth_BxT = tree_lib.structure(padded)
   positions = state.cache_len_B[:, None] + depth_BxT
-  hidden, new_kv, feats = model_lib.forward(params['target'], cfg, tree.tokens_BxT, positions,
+  hidden, new_kv, feats = model_lib.forward(params['target'], cfg, padded.tokens_BxT, positions,
                                             state.cache, state.cache_len_B, anc_BxTxT,
                                             feature_layers=settings.feature_layers,
                                             write_cache=False)
-  return Verified(anc_BxTxT, depth_BxT, positions, model_lib.logits(params['target'], cfg, hidden),
-                  new_kv, feats)
+  return Verified(anc_BxTxT[:, :T, :T], depth_BxT[:, :T], positions[:, :T],
+                  model_lib.logits(params['target'], cfg, hidden[:, :T]), new_kv, feats)
 
 
 @flax.struct.dataclass

@@ -331,6 +331,19 @@ def fall_along_paths(score_BxP, parent_BxP, max_depth: int) -> jax.Array:
   return score_BxP
 
 
+def pad(tree: Tree, n: int) -> Tree:
+  """The tree with invalid leaves under the anchor appended up to n nodes (never accepted)."""
+  extra = n - tree.size
+  if extra <= 0:
+    return tree
+  B = tree.tokens_BxT.shape[0]
+  more = lambda x, value: None if x is None else jnp.concatenate(
+      [x, jnp.full((B, extra) + x.shape[2:], value, x.dtype)], 1)
+  return Tree(tokens_BxT=more(tree.tokens_BxT, 0), parents_BxT=more(tree.parents_BxT, 0),
+              valid_BxT=more(tree.valid_BxT, False), q_BxTxV=more(tree.q_BxTxV, 0.0),
+              score_BxT=more(tree.score_BxT, -jnp.inf))
+
+
 def expected_drafts(tree: Tree) -> jax.Array:
   """[B] the draft tokens a best-first tree expects to commit: the sum of its valid nodes'
   estimated probabilities of being reached and accepted (the accepted nodes form one path, so

@@ -1,7 +1,7 @@
 """Checks that need 8 (virtual) devices; tests/models/test_sharding.py runs each in its own
 process:
 
-  python tests/helpers/sharded_checks.py rules|train|decode [tiny_folder distill_dir workdir]
+  python tests/helpers/sharded_checks.py rules|train|decode|kernels [tiny_folder distill_dir workdir]
 
 XLA_FLAGS must be set before JAX starts, hence a separate process per check.
 """
@@ -12,6 +12,7 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
 
 import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
@@ -108,6 +109,37 @@ def check_decode():
   assert int(state.accepted_hist_BxC[:, 1:].sum()) >= int(state.cycles_B.sum()) // 2
 
 
+def check_kernels():
+  """The TPU layer kernels' mesh forms through Pallas' interpreter on a 2x4 mesh: the MLP with
+  F split over 'model' (the residual inside the first shard's sum, the sums reduced) and the
+  output projection with E split (the residual inside the first shard's product) equal one
+  device's, and a kernel that kept the residual on every shard, or on none, would not."""
+  from d2sd_jax.kernels import fused  # pylint: disable=import-outside-toplevel
+  D, F, E = 256, 1024, 512
+  ks = jax.random.split(jax.random.key(0), 5)
+  x = 3.0 * jax.random.normal(ks[0], (2, 8, D))
+  lp = {'mlp_norm': 1.0 + 0.1 * jax.random.normal(ks[1], (D,)),
+        'w_gate_up': 0.05 * jax.random.normal(ks[2], (2, F, D)),
+        'w_down': 0.05 * jax.random.normal(ks[3], (D, F))}
+  attn = jax.random.normal(ks[4], (2, 8, E))
+  wo = 0.05 * jax.random.normal(ks[1], (D, E))
+  want_mlp = fused.mlp(x, lp, eps=1e-6, interpret=True)
+  want_out = fused.out_projection(x, attn, wo)
+  mesh = sharding.make_mesh(2, 4)
+  put = lambda a, *spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(*spec)))
+  split = {'mlp_norm': put(lp['mlp_norm']), 'w_gate_up': put(lp['w_gate_up'], None, 'model'),
+           'w_down': put(lp['w_down'], None, 'model')}
+  with sharding.tracing_under(mesh):
+    got_mlp = jax.jit(lambda x_, p_: fused.mlp(x_, p_, eps=1e-6, interpret=True))(
+        put(x, 'data'), split)
+    got_out = jax.jit(fused.out_projection)(put(x, 'data'), put(attn, 'data', None, 'model'),
+                                            put(wo, None, 'model'))
+  scale = float(jnp.abs(want_mlp - x).max())
+  np.testing.assert_allclose(got_mlp, want_mlp, rtol=0, atol=1e-5 * scale)
+  np.testing.assert_allclose(got_out, want_out, rtol=0, atol=1e-5 * float(jnp.abs(want_out).max()))
+  assert float(jnp.abs(got_mlp - x).max()) > 0.1 * scale  # the MLP's part is there
+
+
 def _rss_bytes(field: str) -> int:
   with open('/proc/self/status') as f:
     for line in f:
@@ -161,5 +193,5 @@ def check_load(folder):
 if __name__ == '__main__':
   name, args = sys.argv[1], sys.argv[2:]
   {'rules': check_rules, 'train': check_train, 'decode': check_decode,
-   'load': check_load}[name](*args)
+   'load': check_load, 'kernels': check_kernels}[name](*args)
   print(f'ok {name}')

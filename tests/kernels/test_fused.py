@@ -122,9 +122,12 @@ def test_kernel_layer_equals_the_xla_layer_on_a_token_tree(name):
         np.testing.assert_allclose(got[b], want_kv[name_][b, :, n:n + T], rtol=0, atol=1e-4)
 
 
-def test_fits_needs_lane_dense_heads_and_few_rows():
+def test_fits_needs_lane_dense_heads_and_rows_that_fit_vmem():
   assert fused.fits(76, 128, 12288) and fused.fits(fused.MAX_ROWS, 128, 1024)
   assert not fused.fits(fused.MAX_ROWS + 1, 128, 1024)  # a prefill block
+  # Qwen3-8B's width: a d2sd cycle of 8 rows (80 nodes each) fits; 1,000 rows (16 MB of
+  # float32 rows, over MAX_ROW_BYTES) do not, although 1,000 <= MAX_ROWS
+  assert fused.fits(8 * 80, 128, 12288, 4096) and not fused.fits(1000, 128, 12288, 4096)
   assert not fused.fits(8, 64, 1536)  # SmolLM2's 64-wide heads
   assert not fused.fits(8, 128, 1000)  # F not in two halves of 128-column tiles
 

@@ -25,6 +25,10 @@ def test_parameter_shardings_follow_the_rules():
   run_check('rules')
 
 
+def test_kernels_split_over_a_mesh_equal_one_device():
+  run_check('kernels')
+
+
 @pytest.mark.slow
 def test_sharded_train_step_equals_one_device(tiny_folder, distill_dir, tmp_path):
   run_check('train', tiny_folder, distill_dir, str(tmp_path))

@@ -22,8 +22,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from d2sd_jax.kernels import partition
 from d2sd_jax.models import drafter as drafter_lib
+from d2sd_jax.models import sampling
 from d2sd_jax.models import target as model_lib
+from d2sd_jax.models import xla_options
 from d2sd_jax.perf import compiled as C
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import ar
@@ -240,6 +243,73 @@ def test_ar_step_and_d2sd_cycle_compile_on_the_fused_kernels(batch):
     # attention half + MLP per target layer, and per drafter layer in each of d2sd's 2 passes
     layers = LEAN.n_layers + (2 * LEAN_DRAFTER.n_layers if step.method == 'd2sd' else 0)
     assert calls >= 2 * layers, (step.method, batch, calls)
+
+
+def test_d2sd_cycle_at_batch_8_reads_at_most_2_2x_its_floor():
+  """A d2sd cycle of 8 rows (36-node trees: 288 rows of new tokens, 320 verified) compiled for
+  a v5p chip reads at most 2.2x its floor (LEAN's activations weigh far more against its
+  weights than an 8B target's). It read 2.64x with the layers of more than 128 rows in the XLA
+  form, the 36 nodes unpadded (a [8, 36, D] view as [288, D] is a relayout on a TPU) and the
+  argmax's NaN test outside its reduction."""
+  devices = tpu_devices('v5p:1x1x1')
+  mesh = C.mesh_of(devices, 'data=1,model=1')
+  dcfgs = {'drafter1': LEAN_DRAFTER, 'drafter2': LEAN_DRAFTER}
+  prefill, step = C.decode_programs(LEAN, dcfgs, ['d2sd'], mesh, batch=8, context=64,
+                                    max_new_tokens=32, loops=False)
+  on_device = jax.sharding.SingleDeviceSharding(devices[0])
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device),
+                       prefill.abstract_output())
+  step.args = step.args[:3] + (state,)
+  row, compiled = C.compile_program(step, C.chip_of(devices), 1)
+  assert row['bytes_over_ideal'] <= 2.2, row['bytes_over_ideal']
+  # every target layer (verification) and drafter layer (both passes) on the kernels
+  calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+  assert calls >= 2 * (LEAN.n_layers + 2 * LEAN_DRAFTER.n_layers), calls
+
+
+def test_greedy_head_over_8_rows_reads_its_weights_once():
+  """The head's matmul and the greedy argmax over 8 rows of 40 tokens, compiled for a v5p
+  chip, read the head once (the reduction fused into the matmul): with NaN -> +inf tested
+  outside the reduction the logits were written and read back beside a bit mask of every
+  element, 2.2x the head."""
+  devices = tpu_devices('v5p:1x1x1')
+  on = jax.sharding.SingleDeviceSharding(devices[0])
+  head = jax.ShapeDtypeStruct((32768, 1024), jnp.bfloat16, sharding=on)
+  hidden = jax.ShapeDtypeStruct((8, 40, 1024), jnp.float32, sharding=on)
+  for fn in (sampling.argmax, lambda x: sampling.confidence_and_argmax(x, 0.7)):
+    compiled = jax.jit(lambda h, w, f=fn: f(model_lib.linear(h, w))).lower(hidden, head).compile(
+        xla_options.for_arrays((head,)))
+    nbytes = C.figures(compiled, C.chip_of(devices), 1)['bytes_per_device']
+    assert nbytes <= 1.1 * 32768 * 1024 * 2, nbytes / (32768 * 1024 * 2)
+
+
+def test_kernels_split_over_the_tensorcores_of_the_chip_compiled_for():
+  """A layer compiled for a v5e (one TensorCore) sums its MLP in one part, for a v5p (two) in
+  two halves; the kind comes from the mesh traced under."""
+  for topology, cores in (('v5e:2x2', 1), ('v5p:1x1x1', 2)):
+    devices = tpu_devices(topology)
+    mesh = C.mesh_of(devices[:1], 'data=1,model=1')
+    with C.sharding.tracing_under(mesh):
+      assert partition.tensor_cores() == cores
+    text = _one_layer(devices).compile().as_text()
+    mlp = [line for line in text.split('\n') if 'tpu_custom_call' in line and
+           f'f32[{cores},8,{LEAN.d_model}]' in line.split('custom-call(')[0]]
+    assert mlp, (topology, cores)
+
+
+def _one_layer(devices):
+  """One LEAN layer verifying 8 tokens of one row, lowered for the first of `devices`."""
+  mesh = C.mesh_of(devices[:1], 'data=1,model=1')
+  cfg = dataclasses.replace(LEAN, n_layers=1)
+  lp = C.target_params(cfg, mesh)['layers'][0]
+  on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  S = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=on)
+  kv = {k: S((1, cfg.n_kv_heads, 256, cfg.head_dim), cfg.jnp_dtype) for k in 'kv'}
+  tree = jnp.tril(jnp.ones((1, 8, 8), bool))
+  fn = lambda params, kv_, x, pos, n: model_lib.layer(cfg, x, params, kv_, pos, n, tree, n)
+  with C.sharding.tracing_under(mesh):
+    return jax.jit(fn).lower(lp, kv, S((1, 8, cfg.d_model)), S((1, 8), jnp.int32),
+                             S((1,), jnp.int32))
 
 
 @pytest.mark.slow

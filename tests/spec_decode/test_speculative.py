@@ -324,3 +324,33 @@ def test_compaction_writes_the_accepted_path_after_each_rows_length(B, layout):
     for b in range(B):
       want[b, :, lens[b]:lens[b] + C] = np.asarray(new_BxTxHxd[name])[b, path[b]].transpose(1, 0, 2)
     np.testing.assert_array_equal(got[name], want)
+
+
+def test_verify_pads_a_batch_to_a_multiple_of_8_nodes_and_the_tree_is_unchanged(tiny, trained):
+  """With several rows the target verifies a multiple of 8 nodes (D2SD's 17 here: 24), the
+  padding invalid leaves under the anchor: each row's logits (of its 17 nodes only), K/V and
+  features equal verifying that row alone, unpadded."""
+  cfg, _ = tiny
+  assert [SP.verified_nodes(b, n) for b, n in ((1, 17), (2, 17), (2, 16), (8, 76))] == [
+      17, 24, 16, 80]
+  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0),
+                         method='d2sd', gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3)
+  bundle = SP.prepare(trained, cfg)
+  block, lens = AR.pad_prompts(PROMPTS[:2], 0, bucket=8)
+  state = SP.init_state(bundle, cfg, spec, block, lens, AR.row_keys(0, range(2)),
+                        SP.cache_size_needed(block.shape[1], spec))
+  tree = SP.draft(bundle, cfg, spec, state)
+  both = SP.verify(bundle, cfg, spec, state, tree)
+  assert both.logits_BxTxV.shape[:2] == (2, 17) and both.anc_BxTxT.shape == (2, 17, 17)
+  assert both.new_kv[0]['k'].shape[1] == 24 and both.features.shape[1] == 24
+  for b in range(2):
+    row = lambda x, b=b: x[b:b + 1] if getattr(x, 'ndim', 0) else x
+    alone = SP.verify(bundle, cfg, spec, jax.tree.map(row, state), jax.tree.map(row, tree))
+    assert alone.new_kv[0]['k'].shape[1] == 17
+    close = lambda got, want: np.testing.assert_allclose(
+        got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    close(both.logits_BxTxV[b], alone.logits_BxTxV[0])
+    close(both.features[b, :17], alone.features[0])
+    for got, want in zip(both.new_kv, alone.new_kv):
+      close(got['k'][b, :17], want['k'][0])
+    np.testing.assert_array_equal(both.depth_BxT[b], alone.depth_BxT[0])
