@@ -341,7 +341,7 @@ def pad(tree: Tree, n: int) -> Tree:
       [x, jnp.full((B, extra) + x.shape[2:], value, x.dtype)], 1)
   return Tree(tokens_BxT=more(tree.tokens_BxT, 0), parents_BxT=more(tree.parents_BxT, 0),
               valid_BxT=more(tree.valid_BxT, False), q_BxTxV=more(tree.q_BxTxV, 0.0),
-              score_BxT=more(tree.score_BxT, -jnp.inf))
+              score_BxT=more(tree.score_BxT, -jnp.inf), source_BxT=more(tree.source_BxT, -1))
 
 
 def expected_drafts(tree: Tree) -> jax.Array:
