@@ -63,6 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # pylint: disable=wrong-import-position
 from d2sd_jax import files  # pylint: disable=wrong-import-position
+from d2sd_jax.formats import checkpoints  # pylint: disable=wrong-import-position
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
@@ -358,12 +359,14 @@ def plots(results: dict, out_dir: str) -> None:
 
 
 def drafters_digest(paths) -> dict:
-  """Which drafters a run measured: a digest of each drafter folder's file names and bytes."""
+  """Which drafters a run measured: a digest of each drafter folder's file names and bytes, its
+  checkpoints' (the trees' reliability curves beside them, node_calibration.json, are refitted
+  without changing the drafter)."""
   out = {}
   for name, path in zip(('drafter1', 'drafter2'), paths):
     h = hashlib.sha256()
     for f in sorted(glob.glob(os.path.join(path, '**'), recursive=True)):
-      if os.path.isfile(f):
+      if os.path.isfile(f) and os.path.basename(f) != checkpoints.CALIBRATION_FILE:
         h.update(os.path.relpath(f, path).encode())
         with open(f, 'rb') as fh:
           h.update(fh.read())

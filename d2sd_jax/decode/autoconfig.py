@@ -63,12 +63,12 @@ import numpy as np
 from d2sd_jax import files
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import replay
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.perf import throughput
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.formats import checkpoints
-from d2sd_jax.train import calibration
 
 PROBE_TOKENS = 128  # at most; the request's own max_new_tokens when smaller
 PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first warms up)
@@ -352,8 +352,8 @@ def learn(path: str, measured: dict, batch: int, label: str | None = None) -> di
 def _see_lookup(record: dict, measured: dict) -> None:
   """Adds to record['lookup_seen'] the tokens and cycles prompt lookup would have taken on the
   batch's completions (measured['prompt_ids'], measured['completion_ids']: every method's
-  outputs are the target's own, so at T = 0 this is what pld does on them, calibration.
-  lookup_cycles, exactly), the earlier batches weighed by RECENCY. Prompt lookup's τ is then
+  outputs are the target's own, so at T = 0 this is what pld does on them, replay.lookup_cycles,
+  exactly), the earlier batches weighed by RECENCY. Prompt lookup's τ is then
   known from the first batch on, whichever candidate decoded it: its prior cannot know how
   much a request repeats its prompt."""
   pld = next((row for row in record['auto_candidates'].values() if row['method'] == 'pld'), None)
@@ -362,7 +362,7 @@ def _see_lookup(record: dict, measured: dict) -> None:
   gamma = pld['spec'].get('gamma', SP.SpecSettings.gamma)
   ngram_max = pld['spec'].get('ngram_max', SP.SpecSettings.ngram_max)
   tokens = sum(max(len(c) - 1, 0) for c in measured['completion_ids'])
-  cycles = sum(calibration.lookup_cycles(p, c, gamma, ngram_max)
+  cycles = sum(replay.lookup_cycles(p, c, gamma, ngram_max)
                for p, c in zip(measured['prompt_ids'], measured['completion_ids']))
   old = record.get('lookup_seen', {'tokens': 0.0, 'cycles': 0.0})
   record['lookup_seen'] = {'tokens': tokens + RECENCY * old['tokens'],

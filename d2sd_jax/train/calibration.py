@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from d2sd_jax.spec_decode.replay import lookup_proposal
+
 TEMPERATURES = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0)
 N_BINS = 10
 
@@ -80,43 +82,6 @@ def reliability_plot(curves: dict, path: str, title: str = '') -> str:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
-
-
-def lookup_proposal(seq: list[int], gamma: int, ngram_max: int) -> tuple[list[int], int]:
-  """Prompt lookup's proposal after `seq` (drafting.pld's rule, in plain Python): the tokens that
-  followed the latest earlier occurrence of the longest matching tail n-gram (n <= ngram_max)
-  whose continuation is longest (up to gamma - 1 tokens). Returns (tokens, n); n = 0: none."""
-  L, N = len(seq), gamma - 1
-  for n in range(min(ngram_max, L - 1), 0, -1):
-    tail = seq[L - n:]
-    best = None
-    for j in range(0, L - n):  # a match seq[j:j+n] ending before the tail's last token
-      if j + n <= L - 1 and seq[j:j + n] == tail:
-        follow = min(L - (j + n), N)
-        if best is None or (follow, j) > best:
-          best = (follow, j)
-    if best is not None:
-      start = best[1] + n
-      return seq[start:start + N], n
-  return [], 0
-
-
-def lookup_cycles(prompt: list[int], completion: list[int], gamma: int, ngram_max: int) -> int:
-  """The cycles prompt lookup (drafting.pld, greedy) takes to produce `completion` after
-  `prompt`: every output equals the target's greedy one whatever the method, so a completion
-  decoded by any method says what pld would have done on it. A cycle accepts its proposal's
-  tokens while they equal the completion's, then the target's own token, up to the
-  completion's end (its first token is the prefill's)."""
-  done, cycles = 1, 0
-  while done < len(completion):
-    proposal, _ = lookup_proposal(list(prompt) + list(completion[:done]), gamma, ngram_max)
-    room = len(completion) - done
-    k = 0
-    while k < min(len(proposal), room) and proposal[k] == completion[done + k]:
-      k += 1
-    done += min(k + 1, room)
-    cycles += 1
-  return cycles
 
 
 def lookup_accept_rates(sequences, prompt_lens, gamma: int, ngram_max: int, stride: int = 1):

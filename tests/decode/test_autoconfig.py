@@ -17,7 +17,7 @@ from d2sd_jax.formats import loaders
 from d2sd_jax.models import drafter as D
 from d2sd_jax.perf import throughput
 from d2sd_jax.spec_decode import drafting
-from d2sd_jax.train import calibration
+from d2sd_jax.spec_decode import replay
 
 TDCFG = D.DrafterConfig(gamma=4, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                         d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
@@ -288,7 +288,7 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   # prompt lookup's τ: what it would have taken on every batch's outputs (its own and dflash's)
   seen = record['lookup_seen']
   assert seen['tokens'] == sum(len(r['completion_ids']) - 1 for r in out)
-  assert seen['cycles'] == sum(calibration.lookup_cycles(
+  assert seen['cycles'] == sum(replay.lookup_cycles(
       target.tokenizer.encode_prompt(p, False, {}), r['completion_ids'], 4, 3)
                                for p, r in zip(prompts, out))
   assert table['pld(gamma=4)']['tau'] == pytest.approx(seen['tokens'] / seen['cycles'], abs=1e-3)
@@ -573,7 +573,7 @@ def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
   path.write_text(json.dumps(_prior_record(rows)))
   prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 3
   repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # the completion repeats the prompt
-  cycles = calibration.lookup_cycles(prompt, repeat, 8, 3)
+  cycles = replay.lookup_cycles(prompt, repeat, 8, 3)
   assert cycles < (len(repeat) - 1) / 3
   rec = autoconfig.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
                                      'decode_steps': 23, 'prompt_ids': [prompt],

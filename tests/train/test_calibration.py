@@ -44,29 +44,6 @@ def test_reliability_plot_writes_a_png(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
-def test_lookup_proposal_is_drafting_pld_rule():
-  """C.lookup_proposal (plain Python) proposes what drafting.lookup proposes, on
-  random sequences of a 4-token alphabet (matches of every length, repeats, no match)."""
-  import collections  # pylint: disable=import-outside-toplevel
-  from d2sd_jax.spec_decode import drafting  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(0)
-  State = collections.namedtuple('State', 'seq_BxL seq_len_B')
-  Settings = collections.namedtuple('Settings', 'gamma ngram_max')
-  settings = Settings(5, 3)
-  L = 24
-  lens = rng.integers(1, L, 64)
-  seqs = rng.integers(0, 4, (64, L))
-  draft, valid, matched = jax.jit(drafting.lookup, static_argnums=0)(
-      settings, State(jnp.asarray(seqs, jnp.int32), jnp.asarray(lens, jnp.int32)))
-  kinds = set()
-  for b in range(64):
-    tokens, n = C.lookup_proposal(seqs[b, :lens[b]].tolist(), 5, 3)
-    got = [int(t) for t, v in zip(draft[b], valid[b]) if v]
-    assert (got, int(matched[b])) == (tokens, n), b
-    kinds.add(n)
-  assert kinds == {0, 1, 2, 3}  # every case happened
-
-
 def test_lookup_accept_rates_by_hand():
   """[1, 2, 3, 1, 2, 4], prompt of 3: at t = 4 the tail [1] proposes [2, 3]; 2 is accepted,
   3 is not (4 followed): rate 1 / (1 + 1). A fully accepted proposal adds no stop."""
@@ -79,20 +56,3 @@ def test_lookup_accept_rates_by_hand():
   # -> [8, 7]; seq[3:] = [8, 7]: both accepted. t=4: [7, 8, 7, 8]: tail [7, 8] at 0 -> [7, 8];
   # seq[4:] = [7, 8]: both accepted.
   assert stops == [0, 0] and rates[0] == 1.0 and rates[1] == 1.0
-
-
-def test_lookup_cycles_counts_the_cycles_pld_takes(tiny):
-  """C.lookup_cycles, from the prompts and completions alone, gives the cycles the pld program
-  ran on the tiny target (greedy, rows ending at the limit), with proposals accepted (so a
-  wrong acceptance count or commit length shows)."""
-  from d2sd_jax.spec_decode import ar as AR  # pylint: disable=import-outside-toplevel
-  from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=import-outside-toplevel
-  from tests.helpers import loop_checks as H  # pylint: disable=import-outside-toplevel
-  from tests.helpers.tiny_drafters import PROMPTS  # pylint: disable=import-outside-toplevel
-  cfg, params = tiny
-  spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=24, eos_ids=(), pad_id=0),
-                         method='pld', gamma=5, ngram_max=2)
-  outs, counts = H.run_cycles(cfg, {'target': params}, spec, PROMPTS, check_caches=False)
-  assert counts['accepted'] > 0, counts
-  assert sum(C.lookup_cycles(p, o, 5, 2) for p, o in zip(PROMPTS, outs)) == counts['cycles']
-  assert C.lookup_cycles([1, 2], [3], 5, 2) == 0  # the prefill's token alone: no cycle
