@@ -122,6 +122,7 @@ def _trees(cfg, bundle, spec, cycles=4):
   return out
 
 
+@pytest.mark.slow  # (five decode programs, 40 s)
 def test_calibrated_trees_follow_the_drafters_curves_and_stay_lossless(tiny, trained):
   """The curves a drafter carries decide the tree: the identity changes nothing; a drafter 2
   whose re-drafts are never accepted (rate 1e-6) puts none in the tree, though the raw trees
