@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from d2sd_jax import files
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.formats import loaders
 from d2sd_jax.models import target as model_lib
@@ -150,10 +151,7 @@ def write_node_calibration(path: str, curves: dict, about: dict) -> str:
   into the drafter folder, atomically; returns the file."""
   as_curves(curves)
   file = os.path.join(resolve_path(path), CALIBRATION_FILE)
-  tmp = file + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump({**about, 'curves': curves}, f, indent=1)
-  os.replace(tmp, file)
+  files.write_json(file, {**about, 'curves': curves})
   return file
 
 
