@@ -92,7 +92,7 @@ def test_gpu_session_runs_end_to_end_at_tiny_sizes(tmp_path):
   assert all(os.path.getsize(out / f) <= 16 * 2**20 for f in files)
   rows = [json.loads(line) for line in open(out / 'decode.jsonl')]
   methods = [r['method'] for r in rows if 'method' in r]
-  assert methods == ['ar', 'pld', 'dflash', 'd2sd', 'ddtree', 'd2sd_tree']
+  assert methods == ['ar', 'pld', 'dflash', 'd2sd', 'ddtree', 'd2sd_tree', 'ar']  # AR first and last
   assert all(r['lossless'] for r in rows if r.get('method', 'ar') != 'ar' and 'method' in r)
   for run in ('d1', 'd2'):
     last = json.loads(open(out / f'metrics_{run}.jsonl').readlines()[-1])
