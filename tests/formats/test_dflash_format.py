@@ -10,6 +10,7 @@ Each conversion rule is pinned by a check that fails when it is broken:
 (layer ids without the offset, no q/k norm, another mask token, the target's RoPE base, ...).
 """
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -55,27 +56,34 @@ def drafter(target):
   return load_drafter(DRAFTER_DIR, target)
 
 
+@functools.partial(jax.jit, static_argnames=('dcfg', 'tcfg'))  # (op by op: seconds a call)
+def _blocks_logits(dparams, dcfg, tparams, tcfg, seq_1xL, anchors_C, blocks_CxG, mask_id):
+  L, G_ = seq_1xL.shape[1], dcfg.gamma
+  _, _, feats = M.forward(tparams, tcfg, seq_1xL, jnp.arange(L)[None],
+                          M.init_cache(tcfg, 1, L), jnp.zeros((1,), jnp.int32),
+                          feature_layers=dcfg.feature_layers)
+  # every position's features in the decode-time context cache; a block sees those before its
+  # anchor only
+  cache = D.write_context(D.init_context_cache(dcfg, 1, L), dparams, dcfg, D.features_of(feats),
+                          jnp.arange(L)[None], jnp.zeros((1,), jnp.int32))
+
+  def one(a, block_G):
+    block_1xG = block_G[None]
+    is_mask = (block_1xG == mask_id).at[:, 0].set(False)  # the anchor is a token
+    return D.forward(dparams, dcfg, tparams, tcfg, block_1xG, is_mask, a + jnp.arange(G_)[None],
+                     cache, jnp.arange(L)[None] < a, jnp.ones((1, G_, G_), bool))[0]
+  return jax.lax.map(lambda x: one(*x), (anchors_C, blocks_CxG))
+
+
 def block_logits(target, dcfg, dparams, ref):
   """Our drafter's logits [C, G, V] for the recorded blocks: context features through the
   decode-time context cache, masks where the reference put its mask token."""
-  seq = jnp.asarray(ref['block_seq'])[None]
-  L, G_ = seq.shape[1], dcfg.gamma
-  _, _, feats = M.forward(target.params, target.cfg, seq, jnp.arange(L)[None],
-                          M.init_cache(target.cfg, 1, L), jnp.zeros((1,), jnp.int32),
-                          feature_layers=dcfg.feature_layers)
-  feats = D.features_of(feats)
   mask_id = json.load(open(os.path.join(DRAFTER_DIR, 'config.json')))['dflash_config'][
       'mask_token_id']
-  out = []
-  for a, block in zip(ref['block_anchor'].tolist(), ref['block_tokens']):
-    cache = D.write_context(D.init_context_cache(dcfg, 1, L), dparams, dcfg, feats[:, :a],
-                            jnp.arange(a)[None], jnp.zeros((1,), jnp.int32))
-    block_1xG = jnp.asarray(block)[None]
-    is_mask = (block_1xG == mask_id).at[:, 0].set(False)  # the anchor is a token
-    out.append(D.forward(dparams, dcfg, target.params, target.cfg, block_1xG, is_mask,
-                         a + jnp.arange(G_)[None], cache, jnp.arange(L)[None] < a,
-                         jnp.ones((1, G_, G_), bool))[0])
-  return np.stack(out)
+  return np.asarray(_blocks_logits(dparams, dcfg, target.params, target.cfg,
+                                   jnp.asarray(ref['block_seq'])[None],
+                                   jnp.asarray(ref['block_anchor']),
+                                   jnp.asarray(ref['block_tokens']), mask_id))
 
 
 def test_config_follows_the_reference(drafter):

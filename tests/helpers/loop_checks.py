@@ -204,6 +204,23 @@ def check_eos_inside_accepted_path(tiny, bundle, max_new_tokens=24):
   assert outs == ar
 
 
+def _block_logits(dparams, dcfg, params, cfg, feats_1xLxKxD, block_1xG, is_mask_1xG, n):
+  """A drafter's logits [G, V] for one block after the first n tokens of a sequence (its target
+  features from a fresh prefill; the slots from n on are masked out)."""
+  L, G = feats_1xLxKxD.shape[1], block_1xG.shape[1]
+  ctx = D.context_kv(dparams, dcfg,
+                     D.features_of(feats_1xLxKxD[:, :, list(dcfg.feature_layers)]),
+                     jnp.arange(L)[None])
+  return D.forward(dparams, dcfg, params, cfg, block_1xG, is_mask_1xG, n + jnp.arange(G)[None],
+                   ctx, jnp.reshape(n, (1,)), jnp.ones((1, G, G), bool))[0]
+
+
+# (jitted at fixed shapes, so compiled once: the references run them for every row of every
+# cycle, and op by op they take most of a test's time)
+_jitted_prefill = jax.jit(fresh_prefill, static_argnums=(0, 3))
+_jitted_block_logits = jax.jit(_block_logits, static_argnums=(1, 3))
+
+
 def drafter_logits_reference(tiny, bundle, spec, state, b):
   """What drafting.py's drafts of row b rest on, computed independently of it: drafter 1's
   block from one fresh forward ('logp1' [G, V], calibrated by its confidence temperature, and
@@ -215,16 +232,11 @@ def drafter_logits_reference(tiny, bundle, spec, state, b):
   G_ = spec.gamma
   n = int(state.cache_len_B[b])
   anchor = int(state.seq_BxL[b, n])
-  _, feats = fresh_prefill(cfg, params, state.seq_BxL[b:b + 1], (0, 1, 2))
-  feats = feats[:, :n]
+  _, feats = _jitted_prefill(cfg, params, state.seq_BxL[b:b + 1], (0, 1, 2))
 
   def logits_of(name, block, is_mask):
-    dcfg = getattr(spec, name)
-    ctx = D.context_kv(bundle[name], dcfg, D.features_of(feats[:, :, list(dcfg.feature_layers)]),
-                       jnp.arange(n)[None])
-    return np.asarray(D.forward(bundle[name], dcfg, params, cfg, jnp.asarray([block]),
-                                jnp.asarray([is_mask]), n + jnp.arange(G_)[None], ctx,
-                                jnp.ones((1, n), bool), jnp.ones((1, G_, G_), bool))[0],
+    return np.asarray(_jitted_block_logits(bundle[name], getattr(spec, name), params, cfg, feats,
+                                           jnp.asarray([block]), jnp.asarray([is_mask]), n),
                       np.float64)
 
   def log_softmax(x):

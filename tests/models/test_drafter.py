@@ -138,6 +138,12 @@ def test_a_few_steps_lower_the_loss(setup, vp):
   assert float(after) < 0.8 * float(before)
 
 
+# Jitted (compiled once per shape): op by op, a tiny drafter's passes take seconds each.
+_forward = jax.jit(D.forward, static_argnums=(1, 3))
+_denoise = jax.jit(D.denoise, static_argnums=(1, 3), static_argnames=('steps', 'order'))
+_drafter_loss = jax.jit(losses.drafter_loss, static_argnums=(1, 3))
+
+
 def test_denoise_one_pass_and_left_to_right(setup):
   tcfg, tparams, dparams, seq, feats = setup
   G, a = DCFG.gamma, 6
@@ -151,9 +157,9 @@ def test_denoise_one_pass_and_left_to_right(setup):
   is_mask = jnp.broadcast_to(jnp.arange(G) > 0, (B, G))
   full = jnp.ones((B, G, G), bool)
 
-  toks, conf, probs = D.denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
+  toks, conf, probs = _denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
                                 ctx_mask, steps=1)
-  logits = D.forward(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache, ctx_mask, full)
+  logits = _forward(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache, ctx_mask, full)
   np.testing.assert_array_equal(toks[:, 1:], jnp.argmax(logits, -1)[:, 1:])
   np.testing.assert_array_equal(toks[:, 0], seq[:, a])
   # Two programs, two formulas (1 / sum exp(z - max) in denoise, softmax's max here): each sums
@@ -163,11 +169,11 @@ def test_denoise_one_pass_and_left_to_right(setup):
   assert np.all(np.asarray(conf[:, 0]) == 1.0)
 
   # Left to right, one position per pass: each position is drafted after the previous ones.
-  toks, conf, probs = D.denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
+  toks, conf, probs = _denoise(dparams, DCFG, tparams, tcfg, block, is_mask, pos, cache,
                                 ctx_mask, steps=G - 1, order='left_to_right')
   ref, ref_mask = block, is_mask
   for k in range(1, G):
-    lg = D.forward(dparams, DCFG, tparams, tcfg, ref, ref_mask, pos, cache, ctx_mask, full)
+    lg = _forward(dparams, DCFG, tparams, tcfg, ref, ref_mask, pos, cache, ctx_mask, full)
     np.testing.assert_allclose(probs[:, k], jax.nn.softmax(lg[:, k]), rtol=1e-5, atol=1e-6)
     ref = ref.at[:, k].set(jnp.argmax(lg[:, k], -1))
     ref_mask = ref_mask.at[:, k].set(False)
@@ -187,7 +193,7 @@ def test_bad_drafter_configs(tiny):
   with pytest.raises(ValueError, match='feature_layers'):
     D.init_params(D.DrafterConfig(feature_layers=(0, 5)), tcfg, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match='steps'):
-    D.denoise(None, DCFG, None, tcfg, None, None, None, None, None, steps=0)
+    _denoise(None, DCFG, None, tcfg, None, None, None, None, None, steps=0)
 
 
 def test_head_vocab_subset(setup):
@@ -211,7 +217,7 @@ def test_head_vocab_subset(setup):
   cache = D.init_context_cache(cfg_sub, B, 16)
   cache = D.write_context(cache, sub, cfg_sub, feats[:, :5],
                           jnp.broadcast_to(jnp.arange(5), (B, 5)), jnp.zeros(B, jnp.int32))
-  tokens, _, probs = D.denoise(sub, cfg_sub, tparams, tcfg, block, is_mask,
+  tokens, _, probs = _denoise(sub, cfg_sub, tparams, tcfg, block, is_mask,
                                jnp.broadcast_to(5 + jnp.arange(G), (B, G)), cache,
                                jnp.broadcast_to(jnp.arange(16) < 5, (B, 16)), steps=2)
   assert set(np.asarray(tokens)[:, 1:].reshape(-1).tolist()) <= set(ids.tolist())
@@ -220,7 +226,7 @@ def test_head_vocab_subset(setup):
   label = jnp.ones_like(seq, bool)
   anchors = jnp.asarray([[3, 7], [2, 6]])
   weights = jnp.ones((B, 2, G))
-  _, m = losses.drafter_loss(sub, cfg_sub, tparams, tcfg, seq, feats, label, anchors,
+  _, m = _drafter_loss(sub, cfg_sub, tparams, tcfg, seq, feats, label, anchors,
                              jnp.zeros((B, 2), jnp.int32), weights)
   assert np.all(np.isfinite(np.asarray(m['loss'])))
   with pytest.raises(ValueError, match='head_vocab=999 exceeds'):

@@ -245,6 +245,7 @@ def test_ar_step_and_d2sd_cycle_compile_on_the_fused_kernels(batch):
     assert calls >= 2 * layers, (step.method, batch, calls)
 
 
+@pytest.mark.slow  # (16 s of compiling; the batch-1/2 fused-kernel compiles stay in the default tier)
 def test_d2sd_cycle_at_batch_8_reads_at_most_2_2x_its_floor():
   """A d2sd cycle of 8 rows (36-node trees: 288 rows of new tokens, 320 verified) compiled for
   a v5p chip reads at most 2.2x its floor (LEAN's activations weigh far more against its

@@ -339,13 +339,16 @@ def test_verify_pads_a_batch_to_a_multiple_of_8_nodes_and_the_tree_is_unchanged(
   block, lens = AR.pad_prompts(PROMPTS[:2], 0, bucket=8)
   state = SP.init_state(bundle, cfg, spec, block, lens, AR.row_keys(0, range(2)),
                         SP.cache_size_needed(block.shape[1], spec))
-  tree = SP.draft(bundle, cfg, spec, state)
-  both = SP.verify(bundle, cfg, spec, state, tree)
+  # (jitted: op by op, the tiny target's verification takes seconds per call)
+  draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
+  verify = jax.jit(SP.verify, static_argnames=('cfg', 'settings'))
+  tree = draft(bundle, cfg, spec, state)
+  both = verify(bundle, cfg, spec, state, tree)
   assert both.logits_BxTxV.shape[:2] == (2, 17) and both.anc_BxTxT.shape == (2, 17, 17)
   assert both.new_kv[0]['k'].shape[1] == 24 and both.features.shape[1] == 24
   for b in range(2):
     row = lambda x, b=b: x[b:b + 1] if getattr(x, 'ndim', 0) else x
-    alone = SP.verify(bundle, cfg, spec, jax.tree.map(row, state), jax.tree.map(row, tree))
+    alone = verify(bundle, cfg, spec, jax.tree.map(row, state), jax.tree.map(row, tree))
     assert alone.new_kv[0]['k'].shape[1] == 17
     close = lambda got, want: np.testing.assert_allclose(
         got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))

@@ -148,10 +148,9 @@ def spec_for(method, budget, max_new=14, **kw):
                          tree_budget=budget, **kw)
 
 
-def row_reference(tiny, bundle, spec, state, b):
-  """d2sd_tree's pool for row b, from one fresh forward of each drafter (spec_helpers'
-  reference logits) and prompt lookup's proposal, merged by a dict: {path: log score}."""
-  ref = H.drafter_logits_reference(tiny, bundle, spec, state, b)
+def row_reference(spec, ref):
+  """d2sd_tree's pool for a row, from `ref` (H.drafter_logits_reference: one fresh forward of
+  each drafter) and prompt lookup's proposal, merged by a dict: {path: log score}."""
   lp1 = ref['logp1']  # [G, V] drafter 1's calibrated log-probs
   G = spec.gamma
   m = spec.tree_size - 1
@@ -217,7 +216,8 @@ def test_d2sd_tree_holds_the_best_nodes_of_every_proposer(tiny, trained, budget)
     for b in range(3):
       if bool(state.done_B[b]):
         continue
-      pool = row_reference(tiny, trained, spec, state, b)
+      ref = H.drafter_logits_reference(tiny, trained, spec, state, b)
+      pool = row_reference(spec, ref)
       ranked = sorted(pool.items(), key=lambda x: -x[1])
       m = spec.tree_size - 1
       if len(ranked) > m and ranked[m - 1][1] - ranked[m][1] < 1e-4:
@@ -225,7 +225,6 @@ def test_d2sd_tree_holds_the_best_nodes_of_every_proposer(tiny, trained, budget)
       got = set(node_paths(tree, b))
       assert got == {p for p, _ in ranked[:m]}, (b, sorted(got), ranked[:m + 2])
       compared += 1
-      ref = H.drafter_logits_reference(tiny, trained, spec, state, b)
       sources['branch'] += any(tuple(br[1:d + 1]) in got for cut, br, _ in ref['branches']
                                for d in range(cut + 1, spec.gamma)
                                if tuple(br[1:d + 1]) not in dict(best_prefixes_heap(

@@ -111,19 +111,33 @@ def test_a_dflash_folder_fine_tunes_and_exports_to_dflash_format(tmp_path):
     assert getattr(dcfg, field) == getattr(src_cfg, field), field
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(out['params'])):
     np.testing.assert_array_equal(a, b)
-  # From scratch with drafter.mask_token_id: the Qwen3 target's shape (q/k norms included) and
-  # a frozen mask token, so it exports too; a mask token init_from contradicts is refused.
-  c.update(init_from='', workdir=str(tmp_path / 'scratch'))
+  # a mask token init_from contradicts is refused
+  c.drafter.mask_token_id = 62
+  c.update(workdir=str(tmp_path / 'clash'))
+  with pytest.raises(ValueError, match=r"drafter.mask_token_id=62 but init_from=.* has "
+                                       r'mask_token_id 63: drop the flag'):
+    training.run(c)
+
+
+@pytest.mark.slow
+def test_a_drafter_from_scratch_with_a_mask_token_exports_to_dflash_format(tmp_path):
+  """From scratch with drafter.mask_token_id: the Qwen3 target's shape (q/k norms included) and
+  a frozen mask token, so it exports as a DFlash folder too."""
+  target_dir = _char_target(tmp_path)
+  data = tmp_path / 'distill'
+  write_fake_distill(data, vocab=62)
+  c = drafter1_config.get_config()
+  c.update(target=target_dir, workdir=str(tmp_path / 'scratch'), log_every=1, eval_every=0,
+           progress_bar=False)
+  c.data.update(path=str(data), seq_len=24, eval_fraction=0.0)
+  c.train.update(batch_size=2, anchors_per_seq=4, steps=2, lr=1e-2, warmup=1)
   c.drafter.mask_token_id = 62
   out = training.run(c)
+  target = loaders.load_target(target_dir)
   np.testing.assert_array_equal(out['params']['mask_embed'], target.params['embed'][62])
   info = dflash_format.export_drafter(str(tmp_path / 'scratch'), str(tmp_path / 'new'), target)
   dcfg, _, _ = dflash_format.load_folder(str(tmp_path / 'new'), target)
   assert info['mask_token_id'] == 62 and dcfg.qk_norm and dcfg.d_model == target.cfg.d_model
-  c.update(init_from=os.path.join(DFLASH, 'drafter'), workdir=str(tmp_path / 'clash'))
-  with pytest.raises(ValueError, match=r"drafter.mask_token_id=62 but init_from=.* has "
-                                       r'mask_token_id 63: drop the flag'):
-    training.run(c)
 
 
 def test_a_run_says_what_it_does_and_a_changed_shape_is_named(tiny_folder, distill_dir,

@@ -2,6 +2,7 @@
 the target's argmax at every position, shards resume; and training on a corpus: its labels,
 the soft-label loss, and the mixed data."""
 
+import functools
 import importlib.util
 import os
 
@@ -171,9 +172,13 @@ def test_soft_loss_is_the_expectation_of_hard_losses(tiny_target):
   ids = jnp.asarray(rng.integers(0, 95, (2, L, 3)), jnp.int32)
   p = jnp.asarray([0.5, 0.3, 0.2])
 
+  @functools.partial(jax.jit, static_argnames=('soft',))  # (op by op: seconds a call)
+  def jitted_loss(label_ids_BxL, topk=None, soft=0.0):
+    return losses.drafter_loss(dparams, dcfg, params, cfg, seq, feats, mask, anchors, prefix,
+                               weights, label_ids_BxL=label_ids_BxL, topk=topk, soft=soft)[0]
+
   def loss(**kw):
-    return float(losses.drafter_loss(dparams, dcfg, params, cfg, seq, feats, mask, anchors,
-                                     prefix, weights, **kw)[0])
+    return float(jitted_loss(**kw))
 
   soft = loss(label_ids_BxL=ids[..., 0], topk=(ids, jnp.broadcast_to(p, ids.shape)), soft=1.0)
   hard = [loss(label_ids_BxL=ids[..., k]) for k in range(3)]

@@ -47,12 +47,15 @@ def test_the_tally_counts_every_anchor_at_the_cut_training_finds(tiny):
   d1 = D.init_params(DCFG, tcfg, jax.random.PRNGKey(1))
   d2 = D.init_params(DCFG, tcfg, jax.random.PRNGKey(2))
 
+  @jax.jit  # (op by op, the passes below take most of the test's time)
   def features_fn(params, tok):
     B, L = tok.shape
     _, _, feats = M.forward(params, tcfg, tok, jnp.broadcast_to(jnp.arange(L), (B, L)),
                             M.init_cache(tcfg, B, L), jnp.zeros((B,), jnp.int32),
                             feature_layers=DCFG.feature_layers)
     return D.features_of(feats)
+
+  chain_cuts = jax.jit(losses.chain_cuts, static_argnums=(1, 3))
 
   rng = np.random.default_rng(0)
   seqs = [(rng.integers(0, tcfg.vocab_size, 30).astype(np.int32), 6),
@@ -74,7 +77,7 @@ def test_the_tally_counts_every_anchor_at_the_cut_training_finds(tiny):
   for t, n in seqs:
     anchors = jnp.arange(n - 1, len(t) - 1, dtype=jnp.int32)[None]
     ok = jnp.asarray(np.arange(len(t)) >= n)[None]
-    cut, _ = losses.chain_cuts(d1, DCFG, tparams, tcfg, features_fn(tparams, t[None]),
+    cut, _ = chain_cuts(d1, DCFG, tparams, tcfg, features_fn(tparams, t[None]),
                                jnp.asarray(t)[None], ok, anchors)
     want += np.bincount(np.asarray(cut[0]), minlength=DCFG.gamma)
   np.testing.assert_array_equal(tally.cycles[-1], want)
