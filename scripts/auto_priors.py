@@ -68,7 +68,7 @@ def main():
       'batch': args.batch,
       'drafters': {n: autoconfig.params_digest(p) for n, (_, p) in drafters.items()},
       'candidates': {label: {k: row[k] for k in ('method', 'spec', 'tau', 'cycle_ar_steps')}
-                     for label, row in probed['auto_candidates'].items()},
+                     for label, row in probed.auto_candidates.items()},
       'run': {'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
               'machine': costmodel.machine(),
               'command': ' '.join(['python scripts/auto_priors.py', *sys.argv[1:]]).strip(),

@@ -1,5 +1,8 @@
 """method='auto': the decoding configuration with the highest predicted tokens/s on this machine.
 
+This module chooses (`choose`); auto_record.py holds the remembered record and what every batch
+teaches it (`Record.learn`); auto_policy.py runs a request batch by batch.
+
 The candidates: AR, and every registered drafting method whose drafters are at hand, in the
 configurations its registry entry declares (`drafting.Method.auto`): prompt lookup, drafter 1
 alone, D²SD with K = 1, 2, 4, the hybrid d2sd_pld with K = 1, 4, and the best-first trees
@@ -16,8 +19,8 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
               decoded by AR (this machine's AR step), then by the best prediction, and by the
               next best if the one timed fell below it, up to TIMED_FIRST programs (each run
               twice, the first warming it up; outputs dropped), and the first batch decodes
-              with the best prediction after them. Every batch then teaches the next
-              (`learn`): the chosen candidate's measured τ and cycle time become its
+              with the best prediction after them (auto_policy.py). Every batch then teaches
+              the next (`Record.learn`): the chosen candidate's measured τ and cycle time become its
               prediction (a timed candidate measured slower or faster later moves every cycle
               alike: the machine drifted), the other drafter candidates' cycles follow the AR
               step the measured ones imply (prompt lookup's follow AR's own), the drafter
@@ -32,7 +35,7 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
 
 Acceptance depends on the prompts (prompt lookup thrives where the answer repeats the prompt,
 and its τ grows along a completion), so a prior measured on other prompts is a starting point;
-`learn` and `auto_probe` measure the request's own. A request's spec.tree_budget caps the
+`Record.learn` and `auto_probe` measure the request's own. A request's spec.tree_budget caps the
 candidates' trees (the budget below it is auto's to choose).
 
 The stats report the first choice (`auto_choice`), its source (`auto_source`), its prediction
@@ -50,6 +53,7 @@ file (a candidate this version no longer weighs) is chosen again, never trusted.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -60,28 +64,17 @@ import types
 import jax
 import numpy as np
 
-from d2sd_jax import files
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import drafting
-from d2sd_jax.spec_decode import replay
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.perf import throughput
+from d2sd_jax.decode import auto_record
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.formats import checkpoints
 
 PROBE_TOKENS = 128  # at most; the request's own max_new_tokens when smaller
 PROBE_PROMPTS = 3  # the request's first prompts each probe decodes (the first warms up)
-MIN_PROBE_CYCLES = 8  # fewer probe cycles than this: the cost model's cycle time is used
-# Tokens of the first batch that AR, then the prior's pick, decode (timed, outputs dropped)
-# before a choice from a prior decodes (once per remembered record): the prior's cycles are in
-# AR steps, and this machine's AR step at this context is what turns them into time; the pick's
-# τ on these prompts tells whether the prior holds for them
-AR_TIMING_TOKENS = 32
-TIMED_FIRST = 3  # at most: AR, the prior's pick and the pick after it, if that one fell below
-# learn: the weight of a candidate's earlier measurements when a batch adds a new one (0.5: the
-# last two batches count for three quarters)
-RECENCY = 0.5
 
 
 TREE_BUDGETS = drafting.TREE_BUDGETS  # nodes verified per cycle, the anchor included
@@ -118,19 +111,18 @@ def node_cap(options) -> int:
   return options.spec.get('tree_budget') or 0
 
 
-def chosen_options(options, record: dict):
-  """The request's Options with the record's choice: its method and knobs (the request's own
-  knobs kept, but tree_budget, which was auto's cap)."""
-  best = record['auto_candidates'][record['auto_choice']]
+def chosen_options(options, row: dict):
+  """The request's Options decoding with a candidate (`row`: a record's auto_candidates entry):
+  its method and knobs (the request's own knobs kept, but tree_budget, which was auto's cap)."""
   spec = {k: v for k, v in options.spec.items() if k != 'tree_budget'}
-  return dataclasses.replace(options, method=best['method'], spec={**spec, **best['spec']})
+  return dataclasses.replace(options, method=row['method'], spec={**spec, **row['spec']})
 
 
 def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
            log=print, note: str = ''):
-  """(the Options to decode with, auto stats) for an Options whose method is 'auto': the
-  remembered choice for this key (unless auto_refresh or auto_probe), else the prediction from
-  the drafters' prior (unless auto_probe), else a probe of every candidate; remembered.
+  """(the Record, where it is remembered, auto stats) for an Options whose method is 'auto':
+  the remembered choice for this key (unless auto_refresh or auto_probe), else the prediction
+  from the drafters' prior (unless auto_probe), else a probe of every candidate; remembered.
   `note` ends the one line that says what auto chose (why drafters were left out)."""
   started = time.perf_counter()
   longest = options_lib.width(prompt_ids, options)
@@ -147,29 +139,28 @@ def choose(target, drafters: dict, prompt_ids: list[list[int]], options, batch: 
         f'in {path}')
     record, source = probe(target, drafters, prompt_ids, options, batch, tok, log), 'probed'
   if source != 'remembered':
-    files.write_json(path, record)
-  chosen = chosen_options(options, record)
+    record.save(path)
   reason = explain(record, source) + (f'; {note}' if note else '')
   log(reason)
-  return chosen, {'auto_choice': record['auto_choice'],
-                  'predicted_tokens_per_s': record['predicted_tokens_per_s'],
-                  'auto_candidates': record['auto_candidates'],
-                  'cost_device': record['cost_device'], 'auto_source': source, 'auto_file': path,
-                  'auto_reason': reason, 'auto_s': round(time.perf_counter() - started, 3)}
+  return record, path, {
+      'auto_choice': record.auto_choice, 'predicted_tokens_per_s': record.predicted_tokens_per_s,
+      'auto_candidates': copy.deepcopy(record.auto_candidates), 'cost_device': record.cost_device,
+      'auto_source': source, 'auto_file': path, 'auto_reason': reason,
+      'auto_s': round(time.perf_counter() - started, 3)}
 
 
-def explain(record: dict, source: str) -> str:
+def explain(record: auto_record.Record, source: str) -> str:
   """One line: what auto chose, from what, and the runner-up."""
-  table, best = record['auto_candidates'], record['auto_choice']
-  key = ('predicted_tokens_per_s' if record['predicted_tokens_per_s'] is not None else
+  table, best = record.auto_candidates, record.auto_choice
+  key = ('predicted_tokens_per_s' if record.predicted_tokens_per_s is not None else
          'predicted_tokens_per_ar_step')
   unit = 'tokens/s' if key == 'predicted_tokens_per_s' else 'tokens per AR step'
   ranked = sorted(table, key=lambda k: -table[k][key])
   row = table[best]
   runner_up = next((k for k in ranked if k != best), None)
-  origin = {'prior': f"the drafters' recorded acceptance ({record.get('prior_file')})",
+  origin = {'prior': f"the drafters' recorded acceptance ({record.prior_file})",
             'probed': 'probes of every candidate on these prompts',
-            'remembered': f"this machine's remembered choice ({record.get('source', 'probed')})"
+            'remembered': f"this machine's remembered choice ({record.source})"
             }[source]
   detail = ', '.join(f'{name} {row[field]:.2f}' for name, field in
                      (('τ', 'tau'), ('cycle in AR steps', 'cycle_ar_steps')) if field in row)
@@ -177,8 +168,8 @@ def explain(record: dict, source: str) -> str:
           f') from {origin}')
   if runner_up is not None:
     line += f'; next best {runner_up} ({table[runner_up][key]:.2f})'
-  if record.get('not_in_prior'):
-    line += (f"; {len(record['not_in_prior'])} candidates have no prior and were not weighed "
+  if record.not_in_prior:
+    line += (f"; {len(record.not_in_prior)} candidates have no prior and were not weighed "
              '(python scripts/auto_priors.py measures them)')
   return line + '; --config.auto_probe=True times every candidate on these prompts'
 
@@ -248,141 +239,11 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
                     'cycle_ar_steps': c['cycle_ar_steps'],
                     'predicted_tokens_per_ar_step': round(c['tau'] / c['cycle_ar_steps'], 4)}
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_ar_step'])
-  return {'version': RECORD_VERSION, 'auto_choice': best, 'predicted_tokens_per_s': None,
-          'auto_candidates': table, 'cost_device': jax.devices()[0].device_kind,
-          'source': 'prior', 'prior_file': path or priors_path(), 'prior_run': rec.get('run'),
-          'not_in_prior': missing, 'measured': {}, 'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
-
-
-def learn(path: str, measured: dict, batch: int, label: str | None = None) -> dict | None:
-  """After a decode (or one batch of a request) chosen from a prior: what it measured of the
-  chosen candidate, or of `label` (`measured`: decode_tokens, cycles, decode_s, decode_steps) is
-  added to that candidate's totals, the earlier ones weighed by RECENCY (acceptance follows the
-  prompts, which change), and the predictions are remade:
-
-  - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted by
-    its own totals: τ = tokens / cycles, and its cycle is its program's cost times how slow the
-    machine runs now (`machine`). Every program has fixed shapes, so a candidate's cycle does
-    not depend on the prompts: once it is timed, a later batch of it that runs slower or faster
-    tells of the machine (a shared VM drifts by tens of percent within minutes), and every
-    candidate's cycle moves with it. Without this, a candidate timed while the machine was fast
-    would overtake the one decoding now when the machine slows;
-  - the others' cycles are their recorded AR steps times this machine's AR step: for a
-    drafter candidate, the one the measured drafter candidates' cycles imply (weighted by their
-    loop steps; the prior's relative costs of the trees can be off on another machine, and the
-    drafter candidates share them), for prompt lookup (which drafts nothing) AR's own timing,
-    each falling back to whatever is measured;
-  - the others' τ: a drafter's acceptance tells of the prompts, so every unmeasured candidate
-    that drafts with the drafters has its extra tokens (τ - 1) scaled by the ratio the drafter
-    candidate measured last shows (its measured τ - 1 over its prior's);
-  - prompt lookup's τ, measured or not, is what it would have taken on every batch's outputs
-    so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends on
-    how much the request repeats itself, which no prior knows.
-
-  The remembered choice becomes whichever now predicts fastest: generate's next batch (or the
-  next request) decodes with it and measures it in turn. Returns the rewritten record, or None
-  when the record was probed (measured on the request's own prompts already)."""
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    record = json.load(f)
-  if record.get('source') not in ('prior', 'prior+measured'):
-    return None
-  table = record['auto_candidates']
-  label = label or record['auto_choice']
-  old = record['measured'].get(label)
-  machine = record.get('machine', 1.0)  # how slow the machine runs now (1: as first timed)
-  if (old and old['decode_steps'] >= MIN_PROBE_CYCLES and
-      measured['decode_steps'] >= MIN_PROBE_CYCLES):
-    # this candidate's program was timed before: how its cycle moved is the machine's drift
-    machine = (measured['decode_s'] / measured['decode_steps']) / (
-        old['unit_s'] / old['decode_steps'])
-  _see_lookup(record, measured)
-  entry = {k: measured[k] + (RECENCY * old[k] if old else 0)
-           for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
-  # the seconds it would have taken at machine 1: the program's own cost
-  entry['unit_s'] = measured['decode_s'] / machine + (RECENCY * old['unit_s'] if old else 0)
-  record['measured'][label] = entry
-  record['machine'] = machine
-  if table[label]['method'] not in ('ar', 'pld'):
-    record['scale_from'] = label  # the drafters' latest word on these prompts
-  timed = {name: m for name, m in record['measured'].items()
-           if m['decode_steps'] >= MIN_PROBE_CYCLES}
-  if not timed:  # too short to time yet: the same choice goes on, measuring
-    files.write_json(path, record)
-    return record
-  for row in table.values():
-    row.setdefault('prior_tau', row['tau'])
-  def ar_step_ms(names):  # the AR step (ms) now that these measured candidates' cycles imply
-    return machine * (sum(1e3 * timed[n]['unit_s'] / table[n]['cycle_ar_steps'] for n in names) /
-                      sum(timed[n]['decode_steps'] for n in names))
-  kind = lambda n: {'ar': 'ar', 'pld': 'pld'}.get(table[n]['method'], 'drafters')
-  by_kind = {k: [n for n in timed if kind(n) == k] for k in ('ar', 'pld', 'drafters')}
-  spec = by_kind['pld'] + by_kind['drafters']
-  # a drafter candidate's cycle follows what the drafter candidates measured cost here; prompt
-  # lookup drafts nothing (its cycle is a verification), so it follows AR's own step
-  step_of = {'drafters': ar_step_ms(by_kind['drafters'] or spec or by_kind['ar']),
-             'pld': ar_step_ms(by_kind['ar'] or spec)}
-  tau_of = {n: (m['decode_tokens'] / m['cycles'] if m['cycles'] else 1.0)
-            for n, m in timed.items()}
-  seen = record.get('lookup_seen', {})
-  last = record.get('scale_from')
-  scale = ((tau_of[last] - 1) / (table[last]['prior_tau'] - 1)
-           if last in timed and table[last]['prior_tau'] > 1 else 1.0)
-  for name, row in table.items():
-    if name in timed:
-      m = timed[name]
-      tau, cycle = tau_of[name], machine * 1e3 * m['unit_s'] / m['decode_steps']
-    else:
-      tau = row['prior_tau']
-      if row['method'] not in ('ar', 'pld'):
-        tau = 1.0 + (tau - 1.0) * scale
-      cycle = row['cycle_ar_steps'] * step_of.get(kind(name), step_of['pld'])
-    if row['method'] == 'pld' and seen.get('cycles'):
-      tau = seen['tokens'] / seen['cycles']  # (every batch's outputs, whichever decoded them)
-    row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
-               predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch), 2))
-  best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
-  record.update(auto_choice=best, predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
-                source='prior+measured', prompt_scale=round(scale, 4))
-  files.write_json(path, record)
-  return record
-
-
-def _see_lookup(record: dict, measured: dict) -> None:
-  """Adds to record['lookup_seen'] the tokens and cycles prompt lookup would have taken on the
-  batch's completions (measured['prompt_ids'], measured['completion_ids']: every method's
-  outputs are the target's own, so at T = 0 this is what pld does on them, replay.lookup_cycles,
-  exactly), the earlier batches weighed by RECENCY. Prompt lookup's τ is then
-  known from the first batch on, whichever candidate decoded it: its prior cannot know how
-  much a request repeats its prompt."""
-  pld = next((row for row in record['auto_candidates'].values() if row['method'] == 'pld'), None)
-  if pld is None or 'completion_ids' not in measured:
-    return
-  gamma = pld['spec'].get('gamma', SP.SpecSettings.gamma)
-  ngram_max = pld['spec'].get('ngram_max', SP.SpecSettings.ngram_max)
-  tokens = sum(max(len(c) - 1, 0) for c in measured['completion_ids'])
-  cycles = sum(replay.lookup_cycles(p, c, gamma, ngram_max)
-               for p, c in zip(measured['prompt_ids'], measured['completion_ids']))
-  old = record.get('lookup_seen', {'tokens': 0.0, 'cycles': 0.0})
-  record['lookup_seen'] = {'tokens': tokens + RECENCY * old['tokens'],
-                           'cycles': cycles + RECENCY * old['cycles']}
-
-
-def learns(path: str) -> bool:
-  """Whether the remembered record at `path` is a choice from the prior, which every batch
-  refines (`learn`), not one probed on a request's own prompts."""
-  with open(path) as f:
-    return json.load(f).get('source') in ('prior', 'prior+measured')
-
-
-def ar_untimed(path: str) -> bool:
-  """Whether the remembered record of a choice from a prior has no timed AR step yet (generate
-  then times AR_TIMING_TOKENS tokens of AR, and of the prior's pick, before the first batch)."""
-  with open(path) as f:
-    record = json.load(f)
-  return 'ar' in record['auto_candidates'] and record['measured'].get('ar', {}).get(
-      'decode_steps', 0) < MIN_PROBE_CYCLES
+  return auto_record.Record(
+      auto_choice=best, auto_candidates=table, source='prior',
+      cost_device=jax.devices()[0].device_kind, prior_file=path or priors_path(),
+      prior_run=rec.get('run'), not_in_prior=missing,
+      created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
 
 
 def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
@@ -418,7 +279,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
         warm['hist'] + st['hist'] if len(probe_ids) > 1 else st['hist'])
     probed[label] = (hist, st['decode_s'], st['decode_steps'])
   # The cost model only for probes too short to time (it costs minutes on a big target).
-  short = [label for label, (_, _, steps) in probed.items() if steps < MIN_PROBE_CYCLES]
+  short = [label for label, (_, _, steps) in probed.items() if steps < auto_record.MIN_PROBE_CYCLES]
   costs = None
   if short:
     context = runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET)  # pylint: disable=protected-access
@@ -446,19 +307,17 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
     row['cycle_ar_steps'] = round(row['cycle_ms'] / ar_ms, 4)
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   digest = hashlib.sha256(json.dumps(probe_ids).encode()).hexdigest()[:16]
-  return {'version': RECORD_VERSION, 'auto_choice': best, 'source': 'probed',
-          'predicted_tokens_per_s': table[best]['predicted_tokens_per_s'],
-          'auto_candidates': table,
-          'cost_device': costs.device if costs else jax.devices()[0].device_kind,
-          'probed_on': {'prompts': len(probe_ids), 'prompt_ids_sha256': digest,
-                        'max_new_tokens': probe_settings.max_new_tokens},
-          'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+  return auto_record.Record(
+      auto_choice=best, auto_candidates=table, source='probed',
+      predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
+      cost_device=costs.device if costs else jax.devices()[0].device_kind,
+      probed_on={'prompts': len(probe_ids), 'prompt_ids_sha256': digest,
+                 'max_new_tokens': probe_settings.max_new_tokens},
+      created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
 
 
 # ----------------------------------------------------------------------------------------------
 # The remembered choice
-
-RECORD_VERSION = 4  # a record written under another version is chosen again
 
 
 def choice_dir() -> str:
@@ -492,29 +351,25 @@ def remembered_key(target, drafters: dict, options, batch: int, longest: int) ->
       'batch': batch, 'sampling': [options.temperature, options.top_k, options.top_p],
       'spec': sorted((k, v) for k, v in options.spec.items() if v is not None),
       'chat': options.chat, 'chat_template_kwargs': options.chat_template_kwargs,
-      'context': context_window(longest + options.max_new_tokens), 'version': RECORD_VERSION}
+      'context': context_window(longest + options.max_new_tokens),
+      'version': auto_record.VERSION}
   return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _read_remembered(path: str, drafters: dict, log, cap: int = 0) -> dict | None:
+def _read_remembered(path: str, drafters: dict, log, cap: int = 0) -> auto_record.Record | None:
   """The record at `path` if it is whole and names a configuration still weighed, else None
   (with a line saying why, when a file was there)."""
   if not os.path.exists(path):
     return None
   try:
-    with open(path) as f:
-      record = json.load(f)
-    weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters, cap)}
-    table = record['auto_candidates']
-    row = table[record['auto_choice']]
-    stale = (record.get('version') != RECORD_VERSION or
-             set(table) | set(record.get('not_in_prior', ())) != set(weighed) or
-             (row['method'], row['spec']) != weighed[record['auto_choice']])
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    log(f'auto: the remembered choice {path} is unreadable ({type(e).__name__}: {e}); choosing '
-        'again')
+    record = auto_record.Record.load(path)
+  except auto_record.RecordError as e:
+    log(f'auto: the remembered choice {path} is unreadable ({e}); choosing again')
     return None
-  if stale:
+  weighed = {label: (method, knobs) for label, method, knobs in candidates(drafters, cap)}
+  row = record.chosen()
+  if (set(record.auto_candidates) | set(record.not_in_prior) != set(weighed) or
+      (row['method'], row['spec']) != weighed[record.auto_choice]):
     log(f'auto: the remembered choice {path} weighed other configurations; choosing again')
     return None
   return record

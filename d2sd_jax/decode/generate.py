@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 
 import ml_collections
 
-from d2sd_jax.decode import autoconfig
+from d2sd_jax.decode import auto_policy
 from d2sd_jax.decode import options as options_lib
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.decode.options import Options
@@ -51,41 +50,21 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
   limit = runner_lib.cache_limit(target, longest, options.max_new_tokens, options.cache_len,
                                  options.prompt_width)
   batch = options.batch_size or min(len(prompts), options_lib.AUTO_BATCH)
-  auto_stats, request = {}, options  # (auto: each candidate's options come from the request's)
-  if options.method == 'auto':
-    # (its progress lines go to stderr: stdout carries the completions and the stats line)
-    options, auto_stats = autoconfig.choose(target, drafters, prompt_ids, options, batch, tok,
-                                            log=lambda line: print(line, file=sys.stderr),
-                                            note=auto_note)
   runners = {} if runners is None else runners
-  # A choice from a prior (not from probes of these prompts) learns from every batch it decodes
-  # and may move to another candidate for the next batch (autoconfig.learn).
-  learns = bool(auto_stats) and autoconfig.learns(auto_stats['auto_file'])
-  label = auto_stats.get('auto_choice')
-  compile_s = 0.0
-  if learns and autoconfig.ar_untimed(auto_stats['auto_file']):
-    # The prior counts cycles in AR steps: time this machine's, then the prior's pick on the
-    # first batch's first tokens, and the next pick if that one measured below it, until the
-    # pick is a candidate timed (outputs dropped): a prompt set the drafters accept little on
-    # is found out in a few tokens, not in a whole batch decoded with the wrong candidate.
-    started, timed = time.perf_counter(), ['ar']
-    while True:
-      timing = autoconfig.chosen_options(request, {**auto_stats, 'auto_choice': timed[-1]})
-      record, spent = _time_candidate(target, drafters, timing, tok, prompt_ids[:batch], longest,
-                                      limit, batch, runners, auto_stats['auto_file'], timed[-1])
-      compile_s += spent
-      pick = record['auto_choice']
-      if pick in timed or len(timed) == autoconfig.TIMED_FIRST:
-        break
-      timed.append(pick)
-    auto_stats.update(auto_timed=timed, auto_timing_s=round(
-        time.perf_counter() - started - compile_s, 3))
-    if pick != label:
-      label = pick
-      options = autoconfig.chosen_options(request, record)
+  policy, compile_s = None, 0.0
+  if options.method == 'auto':  # (auto_policy.py: which candidate decodes each batch)
+    # (its lines go to stderr: stdout carries the completions and the stats line)
+    policy = auto_policy.Policy.start(target, drafters, prompt_ids, options, batch, tok,
+                                      log=lambda line: print(line, file=sys.stderr),
+                                      note=auto_note)
+    compile_s += policy.time_first(lambda timing, label: _time_candidate(
+        target, drafters, timing, tok, prompt_ids[:batch], longest, limit, batch, runners,
+        label), batch)
+  learns = policy is not None and policy.learns
   step = batch if learns else len(prompt_ids)
-  ids, st, parts, budgeted_cycles = [], None, [], 0
+  ids, st, budgeted_cycles = [], None, 0
   for start in range(0, len(prompt_ids), step):
+    options = policy.options if policy else options
     runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
     before = runner.compile_s
     part_ids, part = runner_lib.decode_prompts(runner, tok, prompt_ids[start:start + step], batch,
@@ -99,23 +78,11 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     st = part if st is None else runner_lib.add_stats(st, part)
     if options.method != 'ar' and drafting.REGISTRY[options.method].budgeted:
       budgeted_cycles += part['cycles']
-    if not learns:
-      continue
-    if parts and parts[-1]['choice'] == label:
-      parts[-1]['prompts'] += len(part_ids)
-    else:
-      parts.append({'choice': label, 'prompts': len(part_ids)})
-    record = autoconfig.learn(auto_stats['auto_file'], {
-        'decode_tokens': tokens, 'cycles': part['cycles'], 'decode_s': part['decode_s'],
-        'decode_steps': part['decode_steps'], 'prompt_ids': prompt_ids[start:start + step],
-        'completion_ids': part_ids}, batch)
-    if record['auto_choice'] != label and len(ids) < len(prompt_ids):
-      print(f"auto: after {len(ids)} prompts, {label} now predicts "
-            f"{record['auto_candidates'][label]['predicted_tokens_per_s']:.2f} tokens/s and "
-            f"{record['auto_choice']} {record['predicted_tokens_per_s']:.2f}: switching",
-            file=sys.stderr)
-      label = record['auto_choice']
-      options = autoconfig.chosen_options(request, record)
+    if learns:
+      policy.observe({'decode_tokens': tokens, 'cycles': part['cycles'],
+                      'decode_s': part['decode_s'], 'decode_steps': part['decode_steps'],
+                      'prompt_ids': prompt_ids[start:start + step], 'completion_ids': part_ids},
+                     len(part_ids), batch, more=len(ids) < len(prompt_ids))
   completions = [{'prompt': p, 'completion': tok.decode([t for t in row if t not in tok.eos_ids]),
                   'completion_ids': row} for p, row in zip(prompts, ids)]
   new_tokens = sum(len(row) for row in ids)
@@ -147,38 +114,33 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size)
     if options.stage_times:  # three more programs to compile: only on request
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
-  stats.update(auto_stats)
-  if parts:
-    # what each batch measured refined the remembered choice (the next request starts there):
-    # which candidate decoded how many prompts, in order
-    stats.update(auto_learned=True, auto_parts=parts)
+  if policy:
+    stats.update(policy.stats())
   return completions, stats
 
 
 def _time_candidate(target, drafters, options, tok, prompt_ids, longest, limit, batch, runners,
-                    path, label: str):
-  """AR_TIMING_TOKENS tokens of candidate `label` (decoding with `options`, its own) on one
-  batch, taught to the remembered record at `path`: (the record, the seconds compiling).
+                    label: str):
+  """auto_policy.AR_TIMING_TOKENS tokens of candidate `label` (decoding with `options`, its
+  own) on one batch: (what they measured, for Record.learn; the seconds compiling).
 
   The program runs twice and the second run is timed: a compiled program's first run pays a
   one-off cost, large against 32 steps, that would make every other candidate look faster
   than it."""
   # (the request's runner, decoding fewer tokens: the timing compiles nothing of its own)
   runner = _runner(target, drafters, options, tok, longest, limit, batch, runners)
-  max_new = min(autoconfig.AR_TIMING_TOKENS, options.max_new_tokens)
+  max_new = min(auto_policy.AR_TIMING_TOKENS, options.max_new_tokens)
   before = runner.compile_s
   runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest,
                             max_new=max_new)
   ids, t = runner_lib.decode_prompts(runner, tok, prompt_ids, batch, options.seed, width=longest,
                                      max_new=max_new)
   tokens = sum(map(len, ids)) - len(ids)
-  record = autoconfig.learn(path, {'decode_tokens': tokens,
-                                   'cycles': tokens if label == 'ar' else t['cycles'],
-                                   'decode_s': t['decode_s'], 'decode_steps': t['decode_steps'],
-                                   # (only AR's tokens teach prompt lookup: the others repeat them)
-                                   **({'prompt_ids': prompt_ids[:batch], 'completion_ids': ids}
-                                      if label == 'ar' else {})}, batch, label=label)
-  return record, runner.compile_s - before
+  return ({'decode_tokens': tokens, 'cycles': tokens if label == 'ar' else t['cycles'],
+           'decode_s': t['decode_s'], 'decode_steps': t['decode_steps'],
+           # (only AR's tokens teach prompt lookup: the others repeat them)
+           **({'prompt_ids': prompt_ids[:batch], 'completion_ids': ids}
+              if label == 'ar' else {})}, runner.compile_s - before)
 
 
 def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict):

@@ -234,7 +234,7 @@ def test_decode_py_on_smollm2(smollm2, auto_choices):
   line; then, with a remembered choice for exactly this request's key (D²SD with K = 4, which
   the prior would not pick on this CPU), decodes with that at once. Every completion equals
   plain AR's, and no Orbax or absl INFO line reaches the terminal."""
-  from d2sd_jax.decode import autoconfig  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.decode import auto_record, autoconfig  # pylint: disable=import-outside-toplevel
   prompt, new_tokens = 'What is the capital of France?', 12
   config = smollm2_config.get_config()
   assert config.method == 'auto'
@@ -268,7 +268,7 @@ def test_decode_py_on_smollm2(smollm2, auto_choices):
   os.remove(stats['auto_file'])
   auto_choices.mkdir(exist_ok=True)
   (auto_choices / f'{key}.json').write_text(json.dumps(
-      {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'd2sd(K=4)',
+      {'version': auto_record.VERSION, 'auto_choice': 'd2sd(K=4)',
        'predicted_tokens_per_s': 2.0, 'auto_candidates': table, 'cost_device': 'cpu'}))
   stats, _ = decode()
   assert (stats['auto_source'], stats['auto_choice']) == ('remembered', 'd2sd(K=4)')

@@ -8,6 +8,8 @@ import json
 import jax
 import pytest
 
+from d2sd_jax.decode import auto_policy
+from d2sd_jax.decode import auto_record
 from d2sd_jax.decode import autoconfig
 from d2sd_jax.decode import generate as generate_lib
 from d2sd_jax.decode import options as options_lib
@@ -83,7 +85,7 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   # probes this short (9 cycles at most) every cycle time is now the cost model's (three
   # candidates only: measuring the cost model is what takes time).
   probed.clear()
-  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 10)
+  monkeypatch.setattr(auto_record, 'MIN_PROBE_CYCLES', 10)
   every = autoconfig.candidates
   monkeypatch.setattr(autoconfig, 'candidates', lambda d, cap=0: every(d, cap)[:3])
   _, stats4 = generate_lib.generate(target, drafters, prompts,
@@ -155,7 +157,7 @@ def test_auto_on_prompts_of_different_lengths_equals_ar(tiny_folder, cost_cache,
 def check_cycle_sources(table: dict, cost_cache) -> set:
   """Each candidate's cycle time is its probe's where the probe ran long enough, the cost
   model's otherwise, and the cost model is measured (cached) only for those: the short ones."""
-  short = {k for k in table if table[k]['probe_cycles'] < autoconfig.MIN_PROBE_CYCLES}
+  short = {k for k in table if table[k]['probe_cycles'] < auto_record.MIN_PROBE_CYCLES}
   for label, row in table.items():
     assert row['tau'] >= 1.0 and row['cycle_ms'] > 0
     if label in short:
@@ -191,17 +193,21 @@ def test_remembered_key_separates_what_the_ranking_depends_on(tiny_folder):
 def test_an_unreadable_or_stale_remembered_choice_is_probed_again(tmp_path):
   drafters = {'drafter1': (TDCFG, None)}
   weighed = {label: (m, k) for label, m, k in autoconfig.candidates(drafters)}
-  good = {'version': autoconfig.RECORD_VERSION, 'auto_choice': 'dflash',
+  good = {'version': auto_record.VERSION, 'auto_choice': 'dflash',
           'predicted_tokens_per_s': 1.0, 'cost_device': 'cpu',
           'auto_candidates': {label: {'method': m, 'spec': k, 'predicted_tokens_per_s': 1.0}
                               for label, (m, k) in weighed.items()}}
   path, said = tmp_path / 'c.json', []
   assert autoconfig._read_remembered(str(path), drafters, said.append) is None and not said
   path.write_text(json.dumps(good))
-  assert autoconfig._read_remembered(str(path), drafters, said.append) == good
+  got = autoconfig._read_remembered(str(path), drafters, said.append)
+  assert {k: v for k, v in got.as_json().items() if k in good} == good and not said
   bad = {'truncated': json.dumps(good)[:40],
          'no choice': json.dumps({k: v for k, v in good.items() if k != 'auto_choice'}),
-         'another version': json.dumps(dict(good, version=autoconfig.RECORD_VERSION + 1)),
+         'another version': json.dumps(dict(good, version=auto_record.VERSION + 1)),
+         'a field of the wrong type': json.dumps(dict(good, machine='fast')),
+         'a field it does not know': json.dumps(dict(good, chosen_by='hand')),
+         'a choice not among its candidates': json.dumps(dict(good, auto_choice='d2sd(K=9)')),
          'other candidates': json.dumps(dict(good, auto_candidates={
              **good['auto_candidates'], 'd2sd(K=9)': {'method': 'd2sd', 'spec': {}}})),
          'other knobs': json.dumps(dict(good, auto_candidates={
@@ -256,11 +262,11 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
   target, drafters, calls = _auto_with_prior(
       tiny_folder, monkeypatch, tmp_path,
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)})
-  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
+  monkeypatch.setattr(auto_record, 'MIN_PROBE_CYCLES', 1)
   # AR's step is not timed here (a tiny model's AR beats every candidate: nothing would move),
   # and measurements add up whole (their recency weights: test_learn_... below)
-  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
-  monkeypatch.setattr(autoconfig, 'RECENCY', 1.0)
+  monkeypatch.setattr(auto_policy, 'AR_TIMING_TOKENS', 1)
+  monkeypatch.setattr(auto_record, 'RECENCY', 1.0)
   prompts = ['abcabcabcabc', 'hello hello hello', 'abcabcabcabc']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -335,11 +341,11 @@ def test_auto_times_ar_and_the_priors_pick_before_its_first_choice(
   target, drafters, calls = _auto_with_prior(
       tiny_folder, monkeypatch, tmp_path,
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (1.4, 1.0), 'dflash': (1.5, 1.0)})
-  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 12)
-  monkeypatch.setattr(autoconfig, 'TIMED_FIRST', timed_first)
+  monkeypatch.setattr(auto_policy, 'AR_TIMING_TOKENS', 12)
+  monkeypatch.setattr(auto_policy, 'TIMED_FIRST', timed_first)
   # (prompt lookup predicted by its prior here, not by what the outputs say it would take:
   # test_learn_predicts_prompt_lookup_from_every_batchs_outputs)
-  monkeypatch.setattr(autoconfig, '_see_lookup', lambda record, measured: None)
+  monkeypatch.setattr(auto_record.Record, '_see_lookup', lambda record, measured: None)
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -368,7 +374,7 @@ def test_auto_times_ar_and_the_priors_pick_before_its_first_choice(
   measured = record['measured']
   first = 'ar' if timed_first == 3 else 'pld(gamma=4)'  # what decoded the batch
   # AR's timing (12 tokens, the prefill's aside), then the batch's 15 steps, if AR decoded it
-  steps = 15 + autoconfig.RECENCY * 11 if first == 'ar' else 11
+  steps = 15 + auto_record.RECENCY * 11 if first == 'ar' else 11
   assert measured['ar']['decode_steps'] == measured['ar']['cycles'] == steps
   assert measured['ar']['decode_s'] < 10  # (the timing's second run)
   assert set(measured) == set(timed) | {first}
@@ -393,9 +399,9 @@ def test_a_switch_decodes_with_the_new_candidates_knobs_and_not_the_last_ones(
   target, drafters, _ = _auto_with_prior(
       tiny_folder, monkeypatch, tmp_path,
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (3.0, 1.0), 'd2sd(K=1)': (3.5, 1.0)}, drafter2=True)
-  monkeypatch.setattr(autoconfig, '_see_lookup', lambda record, measured: None)
-  monkeypatch.setattr(autoconfig, 'MIN_PROBE_CYCLES', 1)
-  monkeypatch.setattr(autoconfig, 'AR_TIMING_TOKENS', 1)
+  monkeypatch.setattr(auto_record.Record, '_see_lookup', lambda record, measured: None)
+  monkeypatch.setattr(auto_record, 'MIN_PROBE_CYCLES', 1)
+  monkeypatch.setattr(auto_policy, 'AR_TIMING_TOKENS', 1)
   prompts = ['abcabcabcabc', 'hello hello hello']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -426,14 +432,14 @@ def test_a_requests_tree_budget_caps_autos_candidates(tiny_folder, tmp_path):
   assert nodes['ar'] == 1 and nodes['dflash'] == 4 and nodes['d2sd(K=2)'] == 4 + 2 * 3
   assert nodes['ddtree(N=12)'] == 12 and nodes['d2sd_tree(N=64)'] == 64
   free = autoconfig.from_prior(target, drafters, options_lib.Options(method='auto'), 1, path)
-  assert free['auto_choice'] == 'd2sd_tree(N=64)'
+  assert free.auto_choice == 'd2sd_tree(N=64)'
   capped = options_lib.Options(method='auto', spec={'tree_budget': 12})
   rec = autoconfig.from_prior(target, drafters, capped, 1, path)
-  assert set(rec['auto_candidates']) == {k for k, n in nodes.items() if n <= 12}
-  assert 'd2sd(K=4)' not in rec['auto_candidates'] and 'ddtree(N=12)' in rec['auto_candidates']
-  chosen = autoconfig.chosen_options(capped, dict(rec, auto_choice='dflash'))
+  assert set(rec.auto_candidates) == {k for k, n in nodes.items() if n <= 12}
+  assert 'd2sd(K=4)' not in rec.auto_candidates and 'ddtree(N=12)' in rec.auto_candidates
+  chosen = autoconfig.chosen_options(capped, rec.auto_candidates['dflash'])
   assert chosen.method == 'dflash' and 'tree_budget' not in chosen.spec
-  chosen = autoconfig.chosen_options(capped, dict(rec, auto_choice='ddtree(N=8)'))
+  chosen = autoconfig.chosen_options(capped, rec.auto_candidates['ddtree(N=8)'])
   assert chosen.spec['tree_budget'] == 8
 
 
@@ -465,7 +471,7 @@ def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_f
 
 def _prior_record(rows: dict) -> dict:
   """A record as from_prior writes it: {label: (method, tau, cycle in AR steps)}."""
-  return {'version': autoconfig.RECORD_VERSION, 'source': 'prior', 'measured': {},
+  return {'version': auto_record.VERSION, 'source': 'prior', 'measured': {},
           'auto_choice': max(rows, key=lambda k: rows[k][1] / rows[k][2]),
           'predicted_tokens_per_s': None,
           'auto_candidates': {k: {'method': m, 'spec': {}, 'tau': t, 'cycle_ar_steps': c}
@@ -484,25 +490,25 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   path.write_text(json.dumps(_prior_record(rows)))
   assert json.loads(path.read_text())['auto_choice'] == 'd2sd_tree(N=8)'
   # AR timed alone (0.05 s a step): every cycle is its AR steps at that, the choice stays
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
                                      'decode_steps': 20}, 1, label='ar')
-  assert rec['auto_choice'] == 'd2sd_tree(N=8)' and rec['prompt_scale'] == 1.0
-  assert rec['auto_candidates']['pld']['cycle_ms'] == pytest.approx(1.4 * 50)
-  assert rec['auto_candidates']['ar']['predicted_tokens_per_s'] == pytest.approx(20)
+  assert rec.auto_choice == 'd2sd_tree(N=8)' and rec.prompt_scale == 1.0
+  assert rec.auto_candidates['pld']['cycle_ms'] == pytest.approx(1.4 * 50)
+  assert rec.auto_candidates['ar']['predicted_tokens_per_s'] == pytest.approx(20)
   short = {'decode_tokens': 10, 'cycles': 5, 'decode_s': 0.5, 'decode_steps': 5}
-  rec = autoconfig.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
-  assert rec['auto_choice'] == 'd2sd_tree(N=8)'
-  assert rec['measured']['d2sd_tree(N=8)'] == dict(short, unit_s=0.5)
-  assert rec['auto_candidates']['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
+  rec = auto_record.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
+  assert rec.auto_choice == 'd2sd_tree(N=8)'
+  assert rec.measured['d2sd_tree(N=8)'] == dict(short, unit_s=0.5)
+  assert rec.auto_candidates['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
   # 35 cycles more at 0.1 s (the speculative AR step: 0.1 / 1.7 s); the earlier 5 weigh half
-  rec = autoconfig.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
+  rec = auto_record.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
                                      'decode_steps': 35}, 1)
-  assert rec['measured']['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
+  assert rec.measured['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
                                                'decode_s': 3.75, 'decode_steps': 37.5,
                                                'unit_s': 3.75}
-  table, ar_s, tau = rec['auto_candidates'], 0.1 / 1.7, 67 / 37.5
+  table, ar_s, tau = rec.auto_candidates, 0.1 / 1.7, 67 / 37.5
   scale = (tau - 1) / (3.1 - 1)
-  assert rec['prompt_scale'] == pytest.approx(scale, abs=1e-4)
+  assert rec.prompt_scale == pytest.approx(scale, abs=1e-4)
   assert table['d2sd_tree(N=8)']['tau'] == pytest.approx(tau, abs=1e-3)
   assert table['ddtree(N=4)']['tau'] == pytest.approx(1 + 0.9 * scale, abs=1e-3)
   assert table['dflash']['tau'] == pytest.approx(1 + 0.7 * scale, abs=1e-3)
@@ -513,18 +519,19 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   assert table['ar']['cycle_ms'] == pytest.approx(50)  # AR keeps its own timing,
   assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 50)  # and prompt lookup follows it
   # pld 1.7 / (1.4 * 50 ms) = 24.3 tokens/s, AR 20, ddtree 1.34 / (1.2 * 58.8 ms) = 18.9
-  assert rec['auto_choice'] == 'pld' and rec['source'] == 'prior+measured'
+  assert rec.auto_choice == 'pld' and rec.source == 'prior+measured'
   # pld measured poorly on these prompts too: its measurement is its prediction, and the
   # drafters' scale is unchanged by it
-  rec = autoconfig.learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
+  rec = auto_record.learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
                                      ar_s, 'decode_steps': 20}, 1)
-  table = rec['auto_candidates']
-  assert table['pld']['tau'] == pytest.approx(1.1) and rec['prompt_scale'] == pytest.approx(
+  table = rec.auto_candidates
+  assert table['pld']['tau'] == pytest.approx(1.1) and rec.prompt_scale == pytest.approx(
       scale, abs=1e-4)
-  assert rec['auto_choice'] == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
+  assert rec.auto_choice == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
   # a probed record is not the prior's to refine
   path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
-  assert autoconfig.learn(str(path), short, 1) is None
+  assert auto_record.learn(str(path), short, 1).measured == {}
+  assert json.loads(path.read_text()) == dict(_prior_record(rows), source='probed')
 
 
 def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_path):
@@ -535,31 +542,31 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'ddtree(N=4)': ('ddtree', 1.5, 1.5),
           'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
   path.write_text(json.dumps(_prior_record(rows)))
-  autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+  auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
                                'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
   # d2sd_tree: τ 1.9 at 100 ms a cycle, 19 tokens/s, below AR's 20: AR decodes next
-  rec = autoconfig.learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
+  rec = auto_record.learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
                                      'decode_steps': 20}, 1)
-  assert rec['auto_choice'] == 'ar' and rec['machine'] == 1.0
-  table = rec['auto_candidates']
+  assert rec.auto_choice == 'ar' and rec.machine == 1.0
+  table = rec.auto_candidates
   assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19, abs=0.01)
   # the machine slows by a fifth: AR runs at 60 ms a step, and so would every other program
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
+  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
                                      'decode_steps': 20}, 1)
-  table = rec['auto_candidates']
-  assert rec['machine'] == pytest.approx(1.2)
+  table = rec.auto_candidates
+  assert rec.machine == pytest.approx(1.2)
   assert table['ar']['cycle_ms'] == pytest.approx(60)
   assert table['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(120)  # not its 100 ms of before
   assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 60)
   assert table['ddtree(N=4)']['cycle_ms'] == pytest.approx(1.5 * 100 / 1.7 * 1.2)
   assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19 / 1.2, abs=0.01)
-  assert rec['auto_choice'] == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
+  assert rec.auto_choice == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
   # the machine recovers while AR decodes: every prediction speeds up alike
-  rec = autoconfig.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
+  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
                                      'decode_steps': 20}, 1)
-  assert rec['machine'] == pytest.approx(0.9)
-  assert rec['auto_candidates']['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
-  assert rec['auto_candidates']['ar']['cycle_ms'] == pytest.approx(45)
+  assert rec.machine == pytest.approx(0.9)
+  assert rec.auto_candidates['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
+  assert rec.auto_candidates['ar']['cycle_ms'] == pytest.approx(45)
 
 
 def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
@@ -575,15 +582,15 @@ def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
   repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # the completion repeats the prompt
   cycles = replay.lookup_cycles(prompt, repeat, 8, 3)
   assert cycles < (len(repeat) - 1) / 3
-  rec = autoconfig.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+  rec = auto_record.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
                                      'decode_steps': 23, 'prompt_ids': [prompt],
                                      'completion_ids': [repeat]}, 1, label='ar')
-  assert rec['auto_candidates']['pld']['tau'] == pytest.approx(23 / cycles, abs=1e-3)
-  assert rec['auto_choice'] == 'pld'
+  assert rec.auto_candidates['pld']['tau'] == pytest.approx(23 / cycles, abs=1e-3)
+  assert rec.auto_choice == 'pld'
   # a batch that repeats nothing: lookup proposes nothing, one token a cycle
   fresh = list(range(100, 124))
-  rec = autoconfig.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+  rec = auto_record.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
                                      'decode_steps': 23, 'prompt_ids': [prompt],
                                      'completion_ids': [fresh]}, 1, label='ar')
-  assert rec['auto_candidates']['pld']['tau'] == pytest.approx(
+  assert rec.auto_candidates['pld']['tau'] == pytest.approx(
       (23 + 0.5 * 23) / (23 + 0.5 * cycles), abs=1e-3)

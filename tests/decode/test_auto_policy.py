@@ -1,0 +1,102 @@
+"""method='auto' over one request (d2sd_jax/decode/auto_policy.py) on a record of its own: the
+first tokens timed, then batch by batch the candidate the measurements rank first. The
+decoding itself is faked: these are the policy's decisions, given what batches measure."""
+import json
+
+import pytest
+
+from d2sd_jax.decode import auto_policy
+from d2sd_jax.decode import auto_record
+from d2sd_jax.decode import options as options_lib
+
+ROWS = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'dflash': ('dflash', 1.8, 1.5),
+        'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
+
+
+def prior_policy(tmp_path, lines, rows=None):
+  """A policy over a record from a prior (`rows`, ROWS by default: τ and cycles in AR steps),
+  saved at r.json."""
+  table = {k: {'method': m, 'spec': {'tree_budget': 8} if m == 'd2sd_tree' else {}, 'tau': t,
+               'cycle_ar_steps': c, 'predicted_tokens_per_ar_step': t / c}
+           for k, (m, t, c) in (rows or ROWS).items()}
+  record = auto_record.Record(auto_choice='d2sd_tree(N=8)', auto_candidates=table,
+                              source='prior')
+  path = str(tmp_path / 'r.json')
+  record.save(path)
+  request = options_lib.Options(method='auto', spec={'tree_budget': 16, 'leniency': 0.0})
+  return auto_policy.Policy(request, record, path, {'auto_choice': record.auto_choice},
+                            log=lines.append)
+
+
+def batch(tokens, cycles, seconds, steps=None):
+  return {'decode_tokens': tokens, 'cycles': cycles, 'decode_s': seconds,
+          'decode_steps': cycles if steps is None else steps}
+
+
+def test_the_first_tokens_time_ar_then_each_pick_until_one_is_timed_or_the_bound(tmp_path,
+                                                                                 monkeypatch):
+  """AR first (its step turns the prior's AR steps into time), then the prior's pick, then
+  the pick that measurement leads to, at most TIMED_FIRST programs; the options each runs with
+  are its own knobs over the request's (tree_budget, the request's cap, dropped)."""
+  lines, calls = [], []
+  policy = prior_policy(tmp_path, lines, {**ROWS, 'pld': ('pld', 1.6, 1.2)})
+  # AR: 50 ms a step; d2sd_tree: τ 1.25 at 85 ms (14.7 tokens/s < AR's 20); then pld
+  # (1.6 / 60 ms: 26.7 tokens/s) would be next
+  figures = {'ar': batch(20, 20, 1.0), 'd2sd_tree(N=8)': batch(25, 20, 1.7),
+             'pld': batch(20, 20, 1.4)}
+
+  def time_candidate(options, label):
+    calls.append((label, options.method, dict(options.spec)))
+    return figures[label], 0.25
+  monkeypatch.setattr(auto_policy, 'TIMED_FIRST', 2)
+  assert policy.time_first(time_candidate, batch=1) == 0.5  # the seconds compiling
+  assert [c[0] for c in calls] == ['ar', 'd2sd_tree(N=8)']  # the bound: pld is not timed
+  assert calls[1][1:] == ('d2sd_tree', {'leniency': 0.0, 'tree_budget': 8})
+  assert policy.stats()['auto_timed'] == ['ar', 'd2sd_tree(N=8)']
+  # the first batch decodes with the best prediction now: pld, untimed
+  assert policy.label == 'pld' and policy.options.method == 'pld'
+  saved = auto_record.Record.load(policy.path)
+  assert saved.measured.keys() == {'ar', 'd2sd_tree(N=8)'} and saved.auto_choice == 'pld'
+  # a record whose AR step is timed already is not timed again
+  calls.clear()
+  assert policy.time_first(time_candidate, batch=1) == 0.0 and not calls
+
+
+def test_a_batch_measured_slower_moves_the_next_batch_and_says_so(tmp_path):
+  """After each batch the record learns it; when another candidate now predicts more
+  tokens/s, the next batch decodes with it and one line says why. After the last batch
+  nothing switches (no batch is left to decode), and the parts say who decoded what."""
+  lines = []
+  policy = prior_policy(tmp_path, lines)
+  # d2sd_tree: τ 3.0 at 50 ms a cycle, 60 tokens/s; the others follow the AR step it implies
+  # (50 / 1.7 ms): AR 34, dflash 40, pld 31.6 tokens/s
+  policy.observe(batch(60, 20, 1.0), prompts=1, batch=1, more=True)
+  assert policy.label == 'd2sd_tree(N=8)' and not lines
+  # then τ 1.0: (20 + 60/2) / (20 + 20/2) = 1.67 at 50 ms, 33.3 tokens/s, below AR's 34
+  policy.observe(batch(20, 20, 1.0), prompts=2, batch=1, more=True)
+  assert policy.label == 'ar' and policy.options.method == 'ar'
+  assert lines == ['auto: after 3 prompts, d2sd_tree(N=8) now predicts 33.33 tokens/s and ar '
+                   '34.00: switching']
+  # AR measures 50 ms a step (20 tokens/s, below d2sd_tree's 33.3), but on the last batch:
+  # nothing is left to decode, so nothing switches
+  policy.observe(batch(20, 20, 1.0), prompts=1, batch=1, more=False)
+  assert policy.record.auto_choice == 'd2sd_tree(N=8)' and policy.label == 'ar'
+  assert len(lines) == 1
+  stats = policy.stats()
+  assert stats['auto_parts'] == [{'choice': 'd2sd_tree(N=8)', 'prompts': 3},
+                                 {'choice': 'ar', 'prompts': 1}]
+  assert stats['auto_learned'] and stats['auto_choice'] == 'd2sd_tree(N=8)'  # (the first)
+  saved = json.load(open(policy.path))  # (the next request starts from d2sd_tree)
+  assert saved['source'] == 'prior+measured' and saved['auto_choice'] == 'd2sd_tree(N=8)'
+
+
+def test_a_probed_record_decodes_everything_at_once_and_learns_nothing(tmp_path):
+  lines = []
+  policy = prior_policy(tmp_path, lines)
+  policy.record.source = 'probed'
+  before = json.load(open(policy.path))
+  assert not policy.learns
+  assert policy.time_first(lambda *_: pytest.fail('timed a probed choice'), batch=1) == 0.0
+  policy.observe(batch(22, 20, 2.0), prompts=2, batch=1, more=True)
+  assert policy.parts == [] and 'auto_parts' not in policy.stats() and not lines
+  assert json.load(open(policy.path)) == before
