@@ -68,6 +68,7 @@ class Decoder:
                stage_times: bool = _DEFAULTS.stage_times,
                auto_refresh: bool = _DEFAULTS.auto_refresh,
                auto_probe: bool = _DEFAULTS.auto_probe,
+               quality_budget: float = _DEFAULTS.quality_budget,
                chat_template_kwargs: dict | None = None, **spec) -> Generation:
     """Completes each prompt through decode.py's path (`generate_lib.generate`, same defaults).
 
@@ -78,13 +79,14 @@ class Decoder:
     leniency, ngram_max). The stats include tau and the acceptance histogram for speculative
     methods. Repeated calls with the same shapes reuse the compiled programs; prompt_width
     (pad every prompt to at least this many tokens) gives calls with prompts of other lengths
-    the same shapes."""
+    the same shapes. quality_budget (method='auto'): the NLL per token the outputs may add over
+    the target's own, for speed (0: lossless; decode/quality_route.py)."""
     options = options_lib.Options(
         method=method or self.method, max_new_tokens=max_new_tokens, chat=chat,
         chat_template_kwargs={} if chat_template_kwargs is None else chat_template_kwargs,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size,
         cache_len=cache_len, prompt_width=prompt_width, spec=spec, stage_times=stage_times,
-        auto_refresh=auto_refresh, auto_probe=auto_probe)
+        auto_refresh=auto_refresh, auto_probe=auto_probe, quality_budget=quality_budget)
     with sharding.tracing_under(self.mesh):
       completions, stats = generate_lib.generate(self.target, self.drafters, prompts, options,
                                                  self._runners)

@@ -15,6 +15,7 @@ import ml_collections
 
 from d2sd_jax.decode import auto_policy
 from d2sd_jax.decode import options as options_lib
+from d2sd_jax.decode import quality_route
 from d2sd_jax.decode import runner as runner_lib
 from d2sd_jax.decode.options import Options
 from d2sd_jax.formats import loaders
@@ -51,7 +52,10 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
                                  options.prompt_width)
   batch = options.batch_size or min(len(prompts), options_lib.AUTO_BATCH)
   runners = {} if runners is None else runners
-  policy, compile_s = None, 0.0
+  policy, compile_s, routed = None, 0.0, {}
+  if options.method == 'auto' and options.quality_budget:
+    # (lossy by request: dflash at the measured frontier's point within the budget)
+    options, routed = quality_route.route(options, log=lambda line: print(line, file=sys.stderr))
   if options.method == 'auto':  # (auto_policy.py: which candidate decodes each batch)
     # (its lines go to stderr: stdout carries the completions and the stats line)
     policy = auto_policy.Policy.start(target, drafters, prompt_ids, options, batch, tok,
@@ -116,6 +120,7 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
       stats['stage_ms'] = runner.stage_times(*st['first_batch'])
   if policy:
     stats.update(policy.stats())
+  stats.update(routed)
   return completions, stats
 
 

@@ -10,6 +10,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from d2sd_jax import config_check
+from d2sd_jax.decode import quality_route
 from d2sd_jax.formats import conversations
 from d2sd_jax.models import sampling as sampling_lib
 from d2sd_jax.spec_decode import ar
@@ -59,6 +60,10 @@ class Options:
   # method='auto': decode every candidate on the request's first prompts and time it (minutes),
   # instead of predicting from the drafters' recorded acceptance (autoconfig.PRIORS)
   auto_probe: bool = False
+  # method='auto': the NLL per token (under the target) the request may add over lossless
+  # decoding, for speed. 0 = lossless; above 0, (steps, leniency) from the measured frontier
+  # (decode/quality_route.py; temperature 1 only)
+  quality_budget: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +153,7 @@ def check(options: Options, drafters) -> None:
     raise ValueError(f'chat_template_kwargs={options.chat_template_kwargs!r} must be a dict of '
                      "template variables, such as {'enable_thinking': False}")
   config_check.check_fields(options.spec, dict.fromkeys(config_check.SPEC_KNOBS), 'speculative')
+  quality_route.check(options)
 
 
 def width(prompt_ids: list[list[int]], options: Options) -> int:
