@@ -5,7 +5,7 @@ them with the drafters (their folders' node_calibration.json; DrafterConfig.node
   python scripts/calibrate_nodes.py [--packages sympy,pydantic,hypothesis,werkzeug]
       [--prompts 6] [--kinds plain,chat] [--budgets 8,16,32] [--new_tokens 96]
       [--temperatures 0,0.7] [--drafter1 drafters/smollm2-drafter1]
-      [--drafter2 drafters/smollm2-drafter2] [--write]
+      [--drafter2 drafters/smollm2-drafter2] [--tallies FILE] [--write]
 
 The prompts are the documented functions of installed packages that no training set holds
 (plain completions, and questions about them in the chat template; benchmarks/drafter_quality.py's
@@ -20,7 +20,9 @@ nodes before and after; --write stores the curves: drafter 1's folder gets its o
 lookup's, drafter 2's its re-drafts'. Sampling accepts less than greedy matching, so each
 temperature of --temperatures gets curves of its own (named 'lookup@0.7' for T = 0.7; plain
 'lookup' for greedy), and a decode takes those fitted nearest its temperature
-(SpecSettings.node_calibration).
+(SpecSettings.node_calibration). With several --kinds each kind also gets its own ('lookup:chat',
+'drafter1@0.7:plain'; tree.curve_label), which a request of that kind reads
+(SpecSettings.calibration_kind); --tallies FILE keeps the raw counts per temperature and kind.
 """
 from __future__ import annotations
 
@@ -125,6 +127,7 @@ def main(argv=None):
   ap.add_argument('--drafter1', default='drafters/smollm2-drafter1')
   ap.add_argument('--drafter2', default='drafters/smollm2-drafter2')
   ap.add_argument('--write', action='store_true', help="store the curves in the drafters' folders")
+  ap.add_argument('--tallies', default='', help='also save the raw node tallies (JSON) here')
   args = ap.parse_args(argv)
   packages = [p for p in args.packages.split(',') if p]
   reserved = [p for p in packages if p.split('.')[0] in RESERVED]
@@ -132,25 +135,35 @@ def main(argv=None):
     raise SystemExit(f'--packages {",".join(reserved)}: reserved for evaluation; fit on others')
   dec = d2sd_jax.load(args.target, args.drafter1, args.drafter2)
   curves, tallies = {}, {}
+  kinds = args.kinds.split(',')
   for temperature in (float(t) for t in args.temperatures.split(',')):
-    tally = None
-    for kind in args.kinds.split(','):
+    by_kind = {}
+    for kind in kinds:
       chat = kind == 'chat'
       prompts = [p for pkg in packages for p in package_prompts(pkg, args.prompts, chat)]
       for budget in (int(b) for b in args.budgets.split(',')):
         g = dec.generate(prompts, max_new_tokens=args.new_tokens, method='d2sd_tree', chat=chat,
                          batch_size=1, tree_budget=budget, calibrated=False, tally_nodes=True,
-                         temperature=temperature)
+                         temperature=temperature, calibration_kind='')
         part = np.asarray(g.stats['node_tally'])
-        tally = part if tally is None else tally + part
+        by_kind[kind] = part if kind not in by_kind else by_kind[kind] + part
         print(f"T {temperature} {kind} budget {budget}: tau {g.stats['tau']}, raw expected tau "
               f"{g.stats['expected_tau']}", flush=True)
-    suffix = f'@{temperature:g}' if temperature else ''
-    fitted = fit_curves(tally)
-    curves.update({name + suffix: c for name, c in fitted.items()})
+    tally = sum(by_kind.values())
+    # pooled curves, and with several kinds each kind's own (a request of that kind reads them)
+    for kind, part in [('', tally)] + (list(by_kind.items()) if len(kinds) > 1 else []):
+      fitted = fit_curves(part)
+      curves.update({tree_lib.curve_label(name, temperature, kind): c
+                     for name, c in fitted.items()})
+      print(f"T = {temperature:g}{', ' + kind if kind else ', pooled'}:")
+      print('\n'.join(report(part, fitted)))
     tallies[temperature] = tally
-    print(f'T = {temperature:g}:')
-    print('\n'.join(report(tally, fitted)))
+    if args.tallies:  # the raw counts, so curves can be refitted without decoding again
+      kept = json.load(open(args.tallies)) if os.path.exists(args.tallies) else {}
+      kept.update({f'{temperature:g}:{kind}': np.asarray(part).tolist()
+                   for kind, part in by_kind.items()})
+      with open(args.tallies, 'w') as f:
+        json.dump(kept, f)
   if args.write:
     about = {'command': 'python ' + ' '.join(shlex.quote(a) for a in sys.argv),
              'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
@@ -162,7 +175,8 @@ def main(argv=None):
              'nodes': {f'{n} at T {t:g}': int(np.asarray(tally)[s, ..., 0].sum())
                        for t, tally in tallies.items() for s, n in enumerate(tree_lib.SOURCES)}}
     for folder, names in ((args.drafter1, ('drafter1', 'lookup')), (args.drafter2, ('drafter2',))):
-      mine = {label: c for label, c in curves.items() if label.partition('@')[0] in names}
+      mine = {label: c for label, c in curves.items()
+              if tree_lib.parse_curve_label(label)[0] in names}
       kept, fits = stored(folder)  # the other temperatures' curves stay
       fits.update({f'{t:g}': about for t in tallies})
       print('wrote', checkpoints.write_node_calibration(folder, {**kept, **mine},

@@ -263,13 +263,16 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
   for label, method, knobs in cands:
     if method != 'ar':
       cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
-      specs[label] = SP.SpecSettings(settings, method=method, **{**fixed, **knobs}, **cfgs)
+      these = {**options_lib.request_kind(options, method), **fixed, **knobs}
+      specs[label] = SP.SpecSettings(settings, method=method, **these, **cfgs)
   probed = {}
   probe_ids = prompt_ids[:PROBE_PROMPTS]
   width = options_lib.width(probe_ids, options)  # one program per candidate, every probe prompt
   for label, method, knobs in cands:
-    runner = runner_lib.make_runner(target, probe_settings, method, width, limit, drafters,
-                                  **({} if method == 'ar' else {**fixed, **knobs}))
+    runner = runner_lib.make_runner(
+        target, probe_settings, method, width, limit, drafters,
+        **({} if method == 'ar' else {**options_lib.request_kind(options, method), **fixed,
+                                      **knobs}))
     # The first prompt warms the programs up (a first run pays one-off costs): it counts for
     # E[τ], and the cycle time comes from the others.
     _, warm = runner_lib.decode_prompts(runner, tok, probe_ids[:1], 1, options.seed, width)

@@ -106,6 +106,7 @@ def decode_config(method: str = 'auto', **run) -> ml_collections.ConfigDict:
   c.spec = ml_collections.ConfigDict({k: _spec_default(k) for k in config_check.SPEC_KNOBS})
   for name in FOLLOW_DRAFTERS:
     c.spec[name] = placeholder(int)
+  c.spec.calibration_kind = placeholder(str)  # (None: from the request's chat, for the trees)
   return c
 
 
@@ -178,7 +179,15 @@ def spec_fields(options: Options, drafters: dict) -> dict:
   if 'n_branches' not in spec:
     spec['n_branches'] = min(_spec_default('n_branches'),
                              spec.get('gamma', _spec_default('gamma')) - 1)
-  return spec
+  return {**request_kind(options, options.method), **spec}
+
+
+def request_kind(options: Options, method: str) -> dict:
+  """{'calibration_kind': ...} for a tree method: the trees read the reliability curves fitted
+  on this kind of request (chat or plain completions); {} for the other methods."""
+  if method == 'ar' or not drafting.get(method).budgeted:
+    return {}
+  return {'calibration_kind': 'chat' if options.chat else 'plain'}
 
 
 def options_from_config(config: ml_collections.ConfigDict) -> Options:

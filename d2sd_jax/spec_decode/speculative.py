@@ -69,11 +69,18 @@ class SpecSettings:
   # carry (DrafterConfig.node_calibration: drafter 1's for its own nodes and prompt lookup's,
   # drafter 2's for its re-drafts); False: the raw estimates (what calibrate_nodes.py fits on).
   calibrated: bool = True
+  # Which of those curves: the ones fitted on this kind of request ('plain' completions or
+  # 'chat'), where the drafters carry them, else the pooled ones; '' the pooled ones only.
+  # decode.py and Decoder.generate set it from the request's `chat` for the trees.
+  calibration_kind: str = ''
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus at least one draft)')
+    if self.calibration_kind not in ('',) + tree_lib.CALIBRATION_KINDS:
+      raise ValueError(f'calibration_kind={self.calibration_kind!r} must be one of '
+                       f"{tree_lib.CALIBRATION_KINDS} or '' (the pooled curves)")
     if self.ngram_max < 1:
       raise ValueError(f'ngram_max={self.ngram_max} must be >= 1')
     for name in method.drafters:
@@ -141,19 +148,22 @@ class SpecSettings:
   def node_calibration(self) -> tuple:
     """tree.calibrate's table, ((proposer, curves), ...), from the drafters this method uses
     (empty when not `calibrated` or when they carry none). A drafter may carry curves fitted at
-    several sampling temperatures ('lookup' at T = 0, 'lookup@0.7' at T = 0.7): each proposer
-    takes those fitted nearest this program's temperature."""
+    several sampling temperatures ('lookup' at T = 0, 'lookup@0.7' at T = 0.7) and on one kind
+    of request ('lookup:chat'; tree.curve_label): each proposer takes those fitted nearest this
+    program's temperature, of its calibration_kind where there are such, else pooled ones."""
     if not self.calibrated:
       return ()
     own = {'drafter1': ('drafter1', 'lookup'), 'drafter2': ('drafter2',)}
     temperature = self.generation.sampling.temperature
-    best = {}  # proposer -> (distance in temperature, curves)
+    best = {}  # proposer -> ((distance in temperature, not of the kind), curves)
     for name in self.drafters:
       for label, curves in getattr(self, name).node_calibration:
-        source, _, fitted_at = label.partition('@')
-        distance = abs(float(fitted_at or 0.0) - temperature)
-        if source in own[name] and (source not in best or distance < best[source][0]):
-          best[source] = (distance, curves)
+        source, fitted_at, kind = tree_lib.parse_curve_label(label)
+        if source not in own[name] or kind not in ('', self.calibration_kind):
+          continue
+        rank = (abs(fitted_at - temperature), kind != self.calibration_kind)
+        if source not in best or rank < best[source][0]:
+          best[source] = (rank, curves)
     return tuple((source, curves) for source, (_, curves) in best.items())
 
   @property

@@ -300,6 +300,22 @@ def node_tally(tree: Tree, depth_BxT, path_BxC, accept_len_B, max_depth: int) ->
 
 # Node calibration maps a proposer's estimate by the depth of the node: 1, 2, and 3 or deeper.
 CALIBRATION_DEPTHS = 3
+# The kinds of request curves may be fitted on (SpecSettings.calibration_kind)
+CALIBRATION_KINDS = ('plain', 'chat')
+
+
+def curve_label(source: str, temperature: float = 0.0, kind: str = '') -> str:
+  """A reliability curve's name in a drafter's node_calibration: the proposer, '@T' when fitted
+  at a sampling temperature T > 0, ':kind' when fitted on one kind of request only
+  ('lookup', 'drafter1@0.7', 'drafter2:chat')."""
+  return source + (f'@{temperature:g}' if temperature else '') + (f':{kind}' if kind else '')
+
+
+def parse_curve_label(label: str) -> tuple[str, float, str]:
+  """(proposer, temperature, kind) of a curve_label."""
+  head, _, kind = label.partition(':')
+  source, _, temperature = head.partition('@')
+  return source, float(temperature or 0.0), kind
 
 
 def calibrate(score_BxP, source_BxP, depth_BxP, table) -> jax.Array:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from d2sd_jax.decode import options as options_lib
 from d2sd_jax.formats import checkpoints
 from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.spec_decode import speculative as SP
@@ -229,3 +230,40 @@ def test_each_proposer_takes_the_curves_fitted_nearest_the_temperature():
   assert table(0.8) == {'drafter1': warm, 'lookup': warm, 'drafter2': warm}
   assert table(1.2)['drafter1'] == hot
   assert dict(spec_with(d1=d1, d2=d2, calibrated=False).node_calibration) == {}
+
+
+def test_a_request_of_one_kind_takes_its_kinds_curves_else_the_pooled_ones():
+  """Curves fitted on one kind of request ('drafter1:chat') serve requests of that kind
+  (calibration_kind), the pooled ones the rest; the temperature still comes first; decode
+  requests set the kind from `chat` for the trees only; an unknown kind is refused."""
+  pooled = tuple(((1.0,), (0.9,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  chat = tuple(((1.0,), (0.6,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  warm = tuple(((1.0,), (0.5,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  warm_chat = tuple(((1.0,), (0.3,)) for _ in range(tree_lib.CALIBRATION_DEPTHS))
+  d1 = dataclasses.replace(DCFG, node_calibration=(
+      ('drafter1', pooled), ('drafter1:chat', chat), ('lookup', pooled),
+      ('drafter1@0.7', warm), ('drafter1@0.7:chat', warm_chat)))
+  d2 = dataclasses.replace(DCFG2, node_calibration=(('drafter2:plain', chat),))
+
+  def table(kind, temperature=0.0, d1=d1):
+    spec = spec_with(d1=d1, d2=d2, calibration_kind=kind)
+    gen = dataclasses.replace(spec.generation, sampling=dataclasses.replace(
+        spec.generation.sampling, temperature=temperature))
+    return dict(dataclasses.replace(spec, generation=gen).node_calibration)
+  assert table('chat') == {'drafter1': chat, 'lookup': pooled}
+  assert table('plain') == {'drafter1': pooled, 'lookup': pooled, 'drafter2': chat}
+  assert table('') == {'drafter1': pooled, 'lookup': pooled}
+  assert table('chat', 0.7)['drafter1'] == warm_chat and table('plain', 0.7)['drafter1'] == warm
+  # the temperature first: pooled curves at the request's temperature over its kind's elsewhere
+  only_greedy_chat = dataclasses.replace(DCFG, node_calibration=(
+      ('drafter1:chat', chat), ('drafter1@0.7', warm)))
+  assert table('chat', 0.7, only_greedy_chat)['drafter1'] == warm
+  assert tree_lib.parse_curve_label(tree_lib.curve_label('lookup', 0.7, 'chat')) == (
+      'lookup', 0.7, 'chat')
+  with pytest.raises(ValueError, match="calibration_kind='code' must be one of"):
+    spec_with(calibration_kind='code')
+  fields = lambda **o: options_lib.spec_fields(options_lib.Options(**o), {})
+  assert fields(method='d2sd_tree', chat=True)['calibration_kind'] == 'chat'
+  assert fields(method='ddtree', chat=False)['calibration_kind'] == 'plain'
+  assert 'calibration_kind' not in fields(method='d2sd', chat=True)
+  assert fields(method='ddtree', spec={'calibration_kind': ''})['calibration_kind'] == ''
