@@ -320,3 +320,23 @@ def test_adaptive_settings_are_checked():
     spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0), (16, 2.0)))
   with pytest.raises(ValueError, match='set adaptive=True or drop them'):
     spec_for('d2sd_tree', 8, node_costs=((4, 1.0),))
+
+
+@pytest.mark.slow
+def test_adaptive_d2sd_tree_chooses_several_shapes_on_real_prompts():
+  """SmolLM2 with the shipped drafters, greedy, on two real prompts: the adaptive tree's output
+  is AR's, and its cycles verified more than one shape. (A decode that kept one shape verifies
+  exactly that many nodes every cycle, so its mean tree size would be one of the shapes.)
+  The costs are a CPU's kind, every node costing: big trees only where the estimates say so."""
+  import d2sd_jax  # pylint: disable=import-outside-toplevel
+  dec = d2sd_jax.load('smollm2', drafter1='drafters/smollm2-drafter1',
+                      drafter2='drafters/smollm2-drafter2')
+  prompts = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+             'Explain in two sentences what a hash map is.']
+  ar = dec.generate(prompts, 40, method='ar', chat=False)
+  costs = ((4, 1.0), (8, 1.1), (16, 1.5), (32, 2.4))
+  out = dec.generate(prompts, 40, method='d2sd_tree', chat=False, batch_size=1,
+                     tree_budget=32, adaptive=True, node_costs=costs)
+  assert [list(a) for a in out.ids] == [list(a) for a in ar.ids]
+  assert out.stats['tau'] > 1.5  # drafts were accepted
+  assert out.stats['mean_tree_size'] not in {n for n, _ in costs}, out.stats
