@@ -56,6 +56,8 @@ class Record:
   not_in_prior: list[str] = dataclasses.field(default_factory=list)
   prior_file: str | None = None
   prior_run: dict | None = None
+  prior_batch: int | None = None  # the batch the prior was measured at
+  batch: int | None = None  # the batch this record decodes
   scale_from: str | None = None  # the drafter candidate measured last
   prompt_scale: float | None = None
   lookup_seen: dict | None = None  # {'tokens', 'cycles'} prompt lookup takes on the outputs

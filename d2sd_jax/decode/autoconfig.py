@@ -14,7 +14,8 @@ throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this orde
   remembered  a choice this machine made before for the same key (below), decoded at once;
   prior       the drafters' recorded acceptance and cycle costs (PRIORS: drafters/auto_priors.json,
               written by scripts/auto_priors.py on held-out prompts: E[τ] per candidate and its
-              cycle in AR steps, for a platform and batch). No probing of every candidate:
+              cycle in AR steps, for a platform and batch; the nearest recorded batch's for
+              a batch without its own). No probing of every candidate:
               once per remembered record, the first batch's first AR_TIMING_TOKENS tokens are
               decoded by AR (this machine's AR step), then by the best prediction, and by the
               next best if the one timed fell below it, up to TIMED_FIRST programs (each run
@@ -57,6 +58,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 import types
@@ -158,7 +160,9 @@ def explain(record: auto_record.Record, source: str) -> str:
   ranked = sorted(table, key=lambda k: -table[k][key])
   row = table[best]
   runner_up = next((k for k in ranked if k != best), None)
-  origin = {'prior': f"the drafters' recorded acceptance ({record.prior_file})",
+  at = ('' if record.prior_batch in (None, record.batch) else
+        f', measured at batch {record.prior_batch}')
+  origin = {'prior': f"the drafters' recorded acceptance ({record.prior_file}{at})",
             'probed': 'probes of every candidate on these prompts',
             'remembered': f"this machine's remembered choice ({record.source})"
             }[source]
@@ -196,8 +200,11 @@ def _defaults_only(spec: dict) -> bool:
 
 
 def prior_for(target, drafters: dict, batch: int, path: str | None = None) -> dict | None:
-  """The recorded prior for this target, these drafters (weights digests), this platform and
-  batch, or None."""
+  """The recorded prior for this target, these drafters (weights digests) and this platform, at
+  this batch or else the nearest recorded one (in powers of two; the smaller on a tie), or
+  None. Acceptance per row hardly depends on the batch; the cycles' costs in AR steps do (on
+  an accelerator verification is nearly free at batch 1 and not at 32), which is why priors
+  are recorded per batch and the first tokens are timed at the request's own."""
   path = path or priors_path()
   if not os.path.exists(path):
     return None
@@ -210,11 +217,13 @@ def prior_for(target, drafters: dict, batch: int, path: str | None = None) -> di
   platform = jax.devices()[0].platform
   fingerprint = checkpoints.target_fingerprint(target)
   digests = {n: params_digest(p) for n, (_, p) in drafters.items()}
-  for rec in records:
-    if (rec.get('target') == fingerprint and rec.get('platform') == platform and
-        rec.get('batch') == batch and rec.get('drafters') == digests):
-      return rec
-  return None
+  mine = [rec for rec in records
+          if (rec.get('target') == fingerprint and rec.get('platform') == platform and
+              isinstance(rec.get('batch'), int) and rec['batch'] >= 1 and
+              rec.get('drafters') == digests)]
+  if not mine:
+    return None
+  return min(mine, key=lambda rec: (abs(math.log2(rec['batch'] / batch)), rec['batch']))
 
 
 def from_prior(target, drafters: dict, options, batch: int, path: str | None = None):
@@ -242,12 +251,12 @@ def from_prior(target, drafters: dict, options, batch: int, path: str | None = N
   return auto_record.Record(
       auto_choice=best, auto_candidates=table, source='prior',
       cost_device=jax.devices()[0].device_kind, prior_file=path or priors_path(),
-      prior_run=rec.get('run'), not_in_prior=missing,
+      prior_run=rec.get('run'), prior_batch=rec['batch'], batch=batch, not_in_prior=missing,
       created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
 
 
 def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: int, tok,
-          log=print) -> dict:
+          log=print) -> auto_record.Record:
   """Every candidate's predicted tokens/s from its probe (module docstring): the record
   `choose` remembers."""
   settings = options_lib.generation_settings(options, tok.eos_ids, tok.pad_id)
@@ -311,7 +320,7 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   digest = hashlib.sha256(json.dumps(probe_ids).encode()).hexdigest()[:16]
   return auto_record.Record(
-      auto_choice=best, auto_candidates=table, source='probed',
+      auto_choice=best, auto_candidates=table, source='probed', batch=batch,
       predicted_tokens_per_s=table[best]['predicted_tokens_per_s'],
       cost_device=costs.device if costs else jax.devices()[0].device_kind,
       probed_on={'prompts': len(probe_ids), 'prompt_ids_sha256': digest,

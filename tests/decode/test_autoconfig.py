@@ -443,8 +443,8 @@ def test_a_requests_tree_budget_caps_autos_candidates(tiny_folder, tmp_path):
   assert chosen.spec['tree_budget'] == 8
 
 
-def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_folder,
-                                                                          tmp_path):
+def test_a_prior_applies_only_to_its_drafters_platform_and_settings_nearest_batch_first(
+    tiny_folder, tmp_path):
   target = loaders.load_target(tiny_folder)
   dcfg = dataclasses.replace(TDCFG, gamma=4)
   d1 = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(1)))
@@ -455,7 +455,18 @@ def test_a_prior_applies_only_to_its_drafters_platform_batch_and_settings(tiny_f
   assert autoconfig.from_prior(target, {'drafter1': d1}, options, 1, path) is not None
   other = (dcfg, D.init_params(dcfg, target.cfg, jax.random.PRNGKey(7)))
   assert autoconfig.from_prior(target, {'drafter1': other}, options, 1, path) is None
-  assert autoconfig.from_prior(target, {'drafter1': d1}, options, 2, path) is None
+  # another batch: the nearest recorded one's, said so (its first tokens are timed at its own)
+  at_4 = write_prior(tmp_path / 'p4.json', target, {'drafter1': d1},
+                     {label: (1.5, 1.2) for label in labels}, batch=4)
+  both = tmp_path / 'both.json'
+  both.write_text(json.dumps({'version': autoconfig.RECORD_PRIORS, 'records': [
+      json.loads(open(p).read())['records'][0] for p in (path, at_4)]}))
+  for batch, nearest in ((1, 1), (2, 1), (3, 4), (4, 4), (32, 4)):
+    rec = autoconfig.from_prior(target, {'drafter1': d1}, options, batch, str(both))
+    assert (rec.prior_batch, rec.batch) == (nearest, batch)
+    line = autoconfig.explain(rec, 'prior')
+    assert (f'measured at batch {nearest}' in line) == (nearest != batch), line
+  assert autoconfig.from_prior(target, {'drafter1': d1}, options, 8, path).prior_batch == 1
   # sampling starts from the (greedy) prior too: its batches correct it
   assert autoconfig.from_prior(target, {'drafter1': d1}, dataclasses.replace(
       options, temperature=0.7, top_p=0.9), 1, path) is not None
