@@ -113,6 +113,17 @@ def lookup(settings, state):
   return draft, valid, matched_B
 
 
+def _context(settings, state, name):
+  """What drafter `name` attends to of the committed context: every slot ([B] lengths), or with
+  spec.drafter_window = W only the last W ([B, S] mask): drafters are trained on windows of a
+  few hundred tokens, and a longer context is one they never saw."""
+  n_B = state.cache_len_B
+  if not settings.drafter_window:
+    return n_B
+  slots = jnp.arange(state.draft_caches[name][0]['k'].shape[2])[None]
+  return (slots < n_B[:, None]) & (slots >= n_B[:, None] - settings.drafter_window)
+
+
 def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
              forbid_BxKxG=None, topk: int = 0):
   """K blocks per row through drafter `name` in one pass, after the committed context
@@ -123,7 +134,8 @@ def _denoise(params, cfg, settings, state, name, tokens_BxKxG, is_mask_BxKxG,
   out = drafter_lib.denoise(
       params[name], getattr(settings, name), params['target'], cfg,
       tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, K * G),
-      positions.reshape(B, K * G), state.draft_caches[name], state.cache_len_B, settings.steps,
+      positions.reshape(B, K * G), state.draft_caches[name], _context(settings, state, name),
+      settings.steps,
       settings.order, None if forbid_BxKxG is None else forbid_BxKxG.reshape(B, K * G),
       topk=topk)
   tokens, conf, probs = out[:3]

@@ -73,11 +73,18 @@ class SpecSettings:
   # 'chat'), where the drafters carry them, else the pooled ones; '' the pooled ones only.
   # decode.py and Decoder.generate set it from the request's `chat` for the trees.
   calibration_kind: str = ''
+  # Drafters attend to at most the last W committed tokens (0: all of them). They are trained
+  # on windows of seq_len tokens (320 for the shipped ones); W bounds the context they see at
+  # decode time to what they learned on. The target always sees everything.
+  drafter_window: int = 0
 
   def __post_init__(self):
     method = drafting.get(self.method)  # raises, naming the known methods
     if self.gamma < 2:
       raise ValueError(f'gamma={self.gamma} must be >= 2 (the anchor plus at least one draft)')
+    if self.drafter_window < 0:
+      raise ValueError(f'drafter_window={self.drafter_window} must be >= 0 (0: the whole '
+                       'context)')
     if self.calibration_kind not in ('',) + tree_lib.CALIBRATION_KINDS:
       raise ValueError(f'calibration_kind={self.calibration_kind!r} must be one of '
                        f"{tree_lib.CALIBRATION_KINDS} or '' (the pooled curves)")

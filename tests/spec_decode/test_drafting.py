@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from d2sd_jax.models import drafter as D
 from d2sd_jax.models import sampling as S
 from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.spec_decode import drafting
@@ -95,3 +96,40 @@ def test_branch_points_and_packing():
   assert t.tokens_BxT[0].tolist() == [7, 11, 12, 13, 14, 21, 22, 23, 31, 41, 42, 43]
   assert t.parents_BxT[0].tolist() == [0, 0, 1, 2, 3, 1, 5, 6, 3, 0, 9, 10]
   assert t.valid_BxT[0].all()
+
+
+def test_a_drafter_window_drafts_from_the_last_w_committed_tokens_only(tiny, trained):
+  """spec.drafter_window = W: drafter 1's block equals a drafter given a context of the last W
+  committed tokens alone (their features, at their own positions, in a cache of W slots: no
+  mask involved); it differs from the whole context's; the output stays AR's."""
+  cfg, params = tiny
+  W = 2
+  gen = AR.GenerationSettings(max_new_tokens=10, eos_ids=(), pad_id=0)
+  spec = SP.SpecSettings(gen, method='dflash', gamma=DCFG.gamma, drafter1=DCFG, drafter_window=W)
+  whole = SP.SpecSettings(gen, method='dflash', gamma=DCFG.gamma, drafter1=DCFG)
+  _, init, _, step = jitted()
+  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
+  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(3)),
+               SP.cache_size_needed(block.shape[1], spec))
+  for _ in range(2):
+    state = step(trained, cfg, spec, state)
+  first = jax.jit(drafting.first_draft, static_argnames=('cfg', 'settings'))
+  _, _, probs = first(trained, cfg, spec, state)
+  _, _, probs_whole = first(trained, cfg, whole, state)
+  G = DCFG.gamma
+  for b in range(3):
+    n = int(state.cache_len_B[b])
+    assert n > W  # (the window leaves tokens out)
+    _, feats = H._jitted_prefill(cfg, params, state.seq_BxL[b:b + 1], DCFG.feature_layers)  # pylint: disable=protected-access
+    feats = D.features_of(feats[:, n - W:n])
+    ctx = D.context_kv(trained['drafter1'], DCFG, feats, (n - W + jnp.arange(W))[None])
+    tokens = jnp.zeros((1, G), jnp.int32).at[0, 0].set(state.seq_BxL[b, n])
+    logits = D.forward(trained['drafter1'], DCFG, params, cfg, tokens, jnp.arange(G)[None] > 0,
+                       n + jnp.arange(G)[None], ctx, jnp.asarray([W]),
+                       jnp.ones((1, G, G), bool))[0]
+    np.testing.assert_allclose(probs[b, 1:], jax.nn.softmax(logits[1:]), atol=1e-5)
+    assert not np.allclose(probs[b, 1:], probs_whole[b, 1:], atol=1e-3)
+  ar, sp, _ = run_both(cfg, trained, PROMPTS, spec)
+  assert sp == ar
+  with pytest.raises(ValueError, match='drafter_window=-1 must be >= 0'):
+    SP.SpecSettings(gen, method='dflash', gamma=DCFG.gamma, drafter1=DCFG, drafter_window=-1)
