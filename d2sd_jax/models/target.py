@@ -565,8 +565,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
     new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None
-  # (the layers may have kept it split over its width on a mesh: `fused.residual_split`)
-  x_BxTxD = partition.whole_width(x_BxTxD)
+  if not fresh:  # decoding's layers may have kept it split over its width on a mesh
+    x_BxTxD = partition.whole_width(x_BxTxD)  # (`fused.residual_split`)
   hidden_BxTxD = rms_norm(x_BxTxD, params['final_norm'], cfg.norm_eps)
   return hidden_BxTxD, new_cache, features
 
