@@ -34,7 +34,10 @@ compiled for a TPU (`jax.lax.platform_dependent`) when `fits`: heads a multiple 
 rows whose float32 activations fit VMEM beside the weights' tiles (MAX_ROW_BYTES). Over a mesh
 they run per device (`shard_map`): rows over 'data', KV heads (attention) or F (mlp) over
 'model'. The MLP's partial sums, and the output projection's (`out_projection`), are reduced
-over 'model' with the residual inside the first shard's, so no pass over the rows adds it after.
+over 'model' with the residual inside the first shard's, so no pass over the rows adds it after;
+or, where the 'model' axis splits the layer (`residual_split`), the residual stream stays split
+over its width: the partial sums are reduce-scattered in float32 and the normed rows are
+all-gathered in the weights' dtype, which the kernels then read (`prenormed`).
 """
 from __future__ import annotations
 
