@@ -34,7 +34,10 @@ compiled for a TPU (`jax.lax.platform_dependent`) when `fits`: heads a multiple 
 rows whose float32 activations fit VMEM beside the weights' tiles (MAX_ROW_BYTES). Over a mesh
 they run per device (`shard_map`): rows over 'data', KV heads (attention) or F (mlp) over
 'model'. The MLP's partial sums, and the output projection's (`out_projection`), are reduced
-over 'model' with the residual inside the first shard's, so no pass over the rows adds it after.
+over 'model' with the residual inside the first shard's, so no pass over the rows adds it after;
+or, where the 'model' axis splits the layer (`residual_split`), the residual stream stays split
+over its width: the partial sums are reduce-scattered in float32 and the normed rows are
+all-gathered in the weights' dtype, which the kernels then read (`prenormed`).
 """
 from __future__ import annotations
 
@@ -102,7 +105,9 @@ def _project(h, w_ref, b_ref, qn_ref, kn_ref, cos, sin, *, Hg: int, eps: float, 
 
 
 def _attention_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bias: bool,
-                      bk: int, n_blocks: int):
+                      bk: int, n_blocks: int, prenormed: bool = False):
+  if prenormed:  # no norm weight
+    refs = refs[:2] + (None,) + refs[2:]
   if not has_bias:
     refs = refs[:4] + (None,) + refs[4:]
   (len_ref, x_ref, nw_ref, w_ref, b_ref, qn_ref, kn_ref, cos_ref, sin_ref, kc_ref, vc_ref,
@@ -111,7 +116,7 @@ def _attention_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bia
 
   @pl.when(j == 0)
   def _qkv():  # this KV head's queries into VMEM, its key and value out (the attention reads them)
-    h = _rms(x_ref[b], nw_ref[...], eps).astype(w_ref.dtype)
+    h = x_ref[b] if prenormed else _rms(x_ref[b], nw_ref[...], eps).astype(w_ref.dtype)
     q, k, v = _project(h, w_ref, b_ref, qn_ref, kn_ref, cos_ref[b], sin_ref[b], Hg=Hg, eps=eps,
                        qk_norm=qk_norm)
     q_sc[...] = q
@@ -124,7 +129,9 @@ def _attention_kernel(*refs, Hg: int, T: int, eps: float, qk_norm: bool, has_bia
 
 
 def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, tbias, *, eps,
-                     qk_norm, interpret, out_dtype):
+                     qk_norm, interpret, out_dtype, prenormed=False):
+  """prenormed: x is the attention norm's output in the weights' dtype (`residual_split`
+  gathers it so), not the residual stream, and nw is not used."""
   B, T, D = x.shape
   Hkv, G2, hd, _ = w.shape
   Hg, S = G2 - 2, k_cache.shape[2]
@@ -141,6 +148,8 @@ def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, 
   specs = [pl.BlockSpec((B, T, D), whole), pl.BlockSpec((1, D), const2),
            pl.BlockSpec((1, G2, hd, D), lambda h, b, j, n: (h, 0, 0, 0))]
   args = [x, nw, w]
+  if prenormed:
+    del specs[1], args[1]
   if bias is not None:
     specs.append(pl.BlockSpec((1, G2, hd), lambda h, b, j, n: (h, 0, 0)))
     args.append(bias.astype(f32))
@@ -154,9 +163,11 @@ def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, 
   # the KV heads split over the chip's TensorCores: each reads the rows once
   cores = min(Hkv, partition.tensor_cores())
   kernel = functools.partial(_attention_kernel, Hg=Hg, T=T, eps=eps, qk_norm=qk_norm,
-                             has_bias=bias is not None, bk=bk, n_blocks=n_blocks)
-  need = 4 * B * (T * D + 2 * T * hd + R * T) + w[0].size * wbytes + 4 * bk * hd * cbytes + (
-      4 * 2 * R * hd)
+                             has_bias=bias is not None, bk=bk, n_blocks=n_blocks,
+                             prenormed=prenormed)
+  xbytes = x.dtype.itemsize
+  need = (B * (xbytes * T * D + 4 * (2 * T * hd + R * T)) + w[0].size * wbytes
+          + 4 * bk * hd * cbytes + 4 * 2 * R * hd)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -176,21 +187,56 @@ def _attention_local(len_B, x, nw, w, bias, qn, kn, cos, sin, k_cache, v_cache, 
           transcendentals=B * Hkv * (T + R * (S + T)),
           # the weights once; per core the rows, RoPE tables and new-token masks; the cache
           # (at most all of it); the new K/V and the output written once
-          bytes_accessed=(w.size * wbytes + cores * 4 * B * (T * D + 2 * T * hd + R * T)
+          bytes_accessed=(w.size * wbytes
+                          + cores * B * (xbytes * T * D + 4 * (2 * T * hd + R * T))
                           + 2 * k_cache.size * cbytes + 2 * B * Hkv * T * hd * cbytes
                           + B * T * Hkv * Hg * hd * jnp.dtype(out_dtype).itemsize)),
       interpret=interpret,
   )(len_B.astype(jnp.int32), *args)
 
 
+def residual_split(B: int, lp):
+  """Whether a decoding layer (`lp`) over B rows keeps its residual stream split over its
+  width on the traced mesh's 'model' axis (`partition.residual_axes`: it divides the width in
+  128-lane slices, the KV heads, the attention output's columns and F): the split to pass to
+  `attention`, `out_projection` and `mlp` as `residual`, or None.
+
+  Sequence parallelism's collectives with the stream split over its width rather than its
+  tokens: each device holds every token's D/M columns (float32), the layer's partial sums are
+  reduce-scattered over the width, each device adds the residual and computes the norm of its
+  columns (the rows' sums of squares, a float32 all-reduce of one value per token), and the
+  normed rows are all-gathered in the weights' dtype, which the projections' matmuls round
+  them to anyway. The TPU compiler decomposes a reduce-scatter over tokens into an all-reduce
+  and a slice unless every device's tokens fill whole (8, 128) tiles (D²SD's 80 nodes on 8
+  devices are 10 each); over the width, whole 128-lane slices, it keeps it."""
+  return partition.residual_axes(B, lp['wqkv'].shape[-1], lp['wqkv'].shape[0],
+                                 lp['wo'].shape[1], lp['w_gate_up'].shape[1])
+
+
+def _normed_columns(x, nw, dtype, eps, axis):
+  """`residual_split`: the norm of the residual stream's columns on this device (x [B, T, D/M],
+  float32; nw, the norm's weight, [1, D/M]) in the weights' dtype, all-gathered over the
+  width: [B, T, D]. The mean square sums every device's columns (`_rms`'s law)."""
+  x = x.astype(jnp.float32)
+  width = x.shape[-1] * jax.lax.axis_size(axis)
+  sq = jax.lax.psum(jnp.sum(x * x, axis=-1, keepdims=True), axis)
+  h = (x * jax.lax.rsqrt(sq / width + eps) * nw).astype(dtype)
+  return jax.lax.all_gather(h, axis, axis=2, tiled=True)
+
+
 def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
               block_size: int | None = None, *, eps: float, rope_base: float,
-              rope_freq_factors=None, interpret: bool = False, out_dtype=jnp.float32):
+              rope_freq_factors=None, interpret: bool = False, out_dtype=jnp.float32,
+              residual=None):
   """A decoding layer's attention half up to the output projection, from the residual stream
   x (float32 [B, T, D]): the attention norm, q/k/v (`lp`: attn_norm, wqkv, and where present
   bqkv, q_norm, k_norm, as target.py lays them out), q/k norms and RoPE, and attention over the
   first ctx_len_B cache slots of `kv` plus the new tokens under tree_mask_BxTxT (or blocks of
   `block_size`), as `cached.attend` computes it. The queries stay in VMEM.
+
+  residual: `residual_split`'s split: x is split over its width on 'model'; each device norms
+  its columns and the normed rows are all-gathered in the weights' dtype before the kernel,
+  which reads them (half a float32 pass) instead of norming the float32 rows itself.
 
   Returns (the attention output [B, T, H·hd] in `out_dtype`, heads in the output projection's
   order; the new keys and values [B, T, Hkv·hd] in the cache's dtype, RoPE on the keys, token
@@ -207,12 +253,17 @@ def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
           cos, sin, kv['k'], kv['v'], tbias)
   local = functools.partial(_attention_local, eps=eps, qk_norm='q_norm' in lp,
                             interpret=interpret, out_dtype=out_dtype)
-  split = partition.kernel_axes(B, w.shape[0])
+  split = residual or partition.kernel_axes(B, w.shape[0])
   if split:
     mesh, rows, heads = split
     P = jax.sharding.PartitionSpec
     heads4, row3 = P(rows, heads, None, None), P(rows, None, None)
-    in_specs = (P(rows), row3, P(), P(heads, None, None, None),
+    if residual:
+      kernel_local = functools.partial(local, prenormed=True)
+      local = lambda n, x_, nw, w_, *a: kernel_local(
+          n, _normed_columns(x_, nw, w_.dtype, eps, heads), None, w_, *a)
+    in_specs = (P(rows), P(rows, None, heads) if residual else row3,
+                P(None, heads) if residual else P(), P(heads, None, None, None),
                 None if args[4] is None else P(heads, None, None), P(), P(), row3, row3,
                 heads4, heads4, row3)
     local = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
@@ -220,13 +271,19 @@ def attention(x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT,
   return local(*args)
 
 
-def _mlp_kernel(keep_ref, x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc, *, eps: float,
-                steps: int):
+def _mlp_kernel(*refs, eps: float, steps: int, prenormed: bool = False):
+  if prenormed:  # no norm weight
+    refs = refs[:2] + (None,) + refs[2:]
+  keep_ref, x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc = refs
   c, j = pl.program_id(0), pl.program_id(1)
 
   @pl.when(j == 0)
   def _norm():  # (the output block stays in VMEM over the F tiles: it is the sum)
     x = x_ref[...]
+    if prenormed:  # the rows are the norm's output (`residual_split`), no residual
+      h_sc[...] = x.astype(h_sc.dtype)
+      o_ref[0] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+      return
     h_sc[...] = _rms(x, nw_ref[...], eps).astype(h_sc.dtype)
     # the residual, in the first sum (where keep_ref says: one shard of a split F)
     o_ref[0] = jnp.where((c == 0) & (keep_ref[0] > 0), x, 0.0)
@@ -239,8 +296,10 @@ def _mlp_kernel(keep_ref, x_ref, nw_ref, g_ref, u_ref, d_ref, o_ref, h_sc, *, ep
   o_ref[0] += jax.lax.dot_general(act, d_ref[...], _NT, preferred_element_type=f32)
 
 
-def _mlp_local(x, nw, w_gate_up, w_down, keep=None, *, eps, interpret, cores=MLP_CORES):
-  """keep: int32 [1], whether the residual goes into the sum (None: it does)."""
+def _mlp_local(x, nw, w_gate_up, w_down, keep=None, *, eps, interpret, cores=MLP_CORES,
+               prenormed=False):
+  """keep: int32 [1], whether the residual goes into the sum (None: it does). prenormed: x is
+  the MLP norm's output in the weights' dtype, nw is not used, and the sum is the MLP's alone."""
   B, T, D = x.shape
   R, F = B * T, w_gate_up.shape[1]
   cores = cores if F % cores == 0 else 1
@@ -248,21 +307,25 @@ def _mlp_local(x, nw, w_gate_up, w_down, keep=None, *, eps, interpret, cores=MLP
   wbytes = w_gate_up.dtype.itemsize
   # the largest F tile whose three weight tiles (double-buffered) fit beside the rows
   tiles = [t for t in F_TILES if (F // cores) % t == 0]
-  rows_bytes = 2 * 4 * R * D + 2 * 4 * R * D + R * D * wbytes  # x and the sum (2 buffers), h
+  xbytes = x.dtype.itemsize
+  rows_bytes = 2 * xbytes * R * D + 2 * 4 * R * D + R * D * wbytes  # x and the sum (2 bufs), h
   tile = next((t for t in tiles if rows_bytes + 6 * t * D * wbytes <= VMEM_BUDGET), tiles[-1])
   steps = F // cores // tile
   f32 = jnp.float32
   col = lambda c, j: c * steps + j
   need = rows_bytes + 6 * tile * D * wbytes
+  specs = [pl.BlockSpec((R, D), lambda c, j, k: (0, 0)),
+           pl.BlockSpec((1, D), lambda c, j, k: (0, 0)),
+           pl.BlockSpec((1, tile, D), lambda c, j, k: (0, col(c, j), 0)),
+           pl.BlockSpec((1, tile, D), lambda c, j, k: (1, col(c, j), 0)),
+           pl.BlockSpec((D, tile), lambda c, j, k: (0, col(c, j)))]
+  args = [x.reshape(R, D), nw, w_gate_up, w_gate_up, w_down]
+  if prenormed:
+    del specs[1], args[1]
   partial_CxRxD = pl.pallas_call(
-      functools.partial(_mlp_kernel, eps=eps, steps=steps),
+      functools.partial(_mlp_kernel, eps=eps, steps=steps, prenormed=prenormed),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(cores, steps),
-          in_specs=[pl.BlockSpec((R, D), lambda c, j, k: (0, 0)),
-                    pl.BlockSpec((1, D), lambda c, j, k: (0, 0)),
-                    pl.BlockSpec((1, tile, D), lambda c, j, k: (0, col(c, j), 0)),
-                    pl.BlockSpec((1, tile, D), lambda c, j, k: (1, col(c, j), 0)),
-                    pl.BlockSpec((D, tile), lambda c, j, k: (0, col(c, j)))],
+          num_scalar_prefetch=1, grid=(cores, steps), in_specs=specs,
           out_specs=pl.BlockSpec((1, R, D), lambda c, j, k: (c, 0, 0)),
           scratch_shapes=[pltpu.VMEM((R, D), w_gate_up.dtype)]),
       out_shape=jax.ShapeDtypeStruct((cores, R, D), f32),
@@ -270,30 +333,45 @@ def _mlp_local(x, nw, w_gate_up, w_down, keep=None, *, eps, interpret, cores=MLP
                                            vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
           flops=6 * R * D * F, transcendentals=R * F,
-          bytes_accessed=3 * F * D * wbytes + cores * 8 * R * D),
+          bytes_accessed=3 * F * D * wbytes + cores * (xbytes + 4) * R * D),
       interpret=interpret,
-  )(keep.astype(jnp.int32), x.reshape(R, D), nw, w_gate_up, w_gate_up, w_down)
+  )(keep.astype(jnp.int32), *args)
   out_RxD = partial_CxRxD[0]
   for c in range(1, cores):
     out_RxD = out_RxD + partial_CxRxD[c]
   return out_RxD.reshape(B, T, D)
 
 
-def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
+def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False, residual=None):
   """x + MLP(x) for the residual stream x (float32 [B, T, D]): RMSNorm (`mlp_norm`), then
   w_down (SiLU(gate) * up) with gate/up from `w_gate_up` [2, F, D], `w_down` [D, F]. F is
   split over the chip's TensorCores (`partition.tensor_cores`: a one-core chip takes it whole,
   without partial sums to add), and over a mesh's 'model' axis, whose partial sums are reduced
-  with the residual inside the first shard's (no pass of its own over the rows)."""
+  with the residual inside the first shard's (no pass of its own over the rows).
+
+  residual: `residual_split`'s split: x is split over its width on 'model'; each device norms
+  its columns, the normed rows are all-gathered in the weights' dtype, the kernel sums its
+  part of F, and the sums are reduce-scattered over the width (float32) and added to the
+  device's columns of x: the output stays split over its width."""
   f32 = jnp.float32
   x = x_BxTxD.astype(f32)
   cores = partition.tensor_cores()
   local = part = functools.partial(_mlp_local, eps=eps, interpret=interpret, cores=cores)
-  split = partition.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
+  split = residual or partition.kernel_axes(x.shape[0], lp['w_gate_up'].shape[1])
   if split:
     mesh, rows, cols = split
     P = jax.sharding.PartitionSpec
     body = part
+    if residual:
+      def body(x_, nw, wgu, wd):
+        h = _normed_columns(x_, nw, wgu.dtype, eps, cols)
+        sums = part(h, None, wgu, wd, keep=jnp.zeros((1,), jnp.int32), prenormed=True)
+        return jax.lax.psum_scatter(sums, cols, scatter_dimension=2, tiled=True) + x_
+      xs = P(rows, None, cols)
+      local = jax.shard_map(body, mesh=mesh,
+                            in_specs=(xs, P(None, cols), P(None, cols, None), P(None, cols)),
+                            out_specs=xs, check_vma=False)
+      return local(x, lp['mlp_norm'].astype(f32)[None], lp['w_gate_up'], lp['w_down'])
     if cols:  # each device sums its part of F, the first with the residual; then reduce
       body = lambda x_, *a: jax.lax.psum(part(x_, *a, keep=(
           jax.lax.axis_index(cols) == 0).astype(jnp.int32)[None]), cols)
@@ -303,17 +381,26 @@ def mlp(x_BxTxD, lp, *, eps: float, interpret: bool = False):
   return local(x, lp['mlp_norm'].astype(f32)[None], lp['w_gate_up'], lp['w_down'])
 
 
-def out_projection(x_BxTxD, attn_BxTxE, wo_DxE):
+def out_projection(x_BxTxD, attn_BxTxE, wo_DxE, residual=None):
   """x + attn wo^T (float32), the attention half's residual add. Over a mesh whose 'model'
   axis splits E (the heads), each device's partial product takes the residual on the first
   shard and the sum is one reduction: XLA's own partitioning reduced the product, then added x
-  in a pass of its own over the rows."""
-  split = partition.kernel_axes(x_BxTxD.shape[0], wo_DxE.shape[1])
+  in a pass of its own over the rows. residual (`residual_split`): x is split over its width
+  on 'model'; the partial products are reduce-scattered over the width (float32) and added
+  to the device's columns of x, and the output stays split so."""
+  split = residual or partition.kernel_axes(x_BxTxD.shape[0], wo_DxE.shape[1])
   linear = lambda a, w: jnp.einsum('bte,de->btd', a, w, preferred_element_type=jnp.float32)
   if not split or not split[2]:
     return x_BxTxD + linear(attn_BxTxE, wo_DxE)
   mesh, rows, cols = split
   P = jax.sharding.PartitionSpec
+  if residual:
+    scatter = lambda x, a, w: jax.lax.psum_scatter(linear(a, w), cols, scatter_dimension=2,
+                                                    tiled=True) + x
+    return jax.shard_map(scatter, mesh=mesh,
+                         in_specs=(P(rows, None, cols), P(rows, None, cols), P(None, cols)),
+                         out_specs=P(rows, None, cols), check_vma=False)(
+                             x_BxTxD.astype(jnp.float32), attn_BxTxE, wo_DxE)
 
   def body(x, a, w):
     first = jax.lax.axis_index(cols) == 0

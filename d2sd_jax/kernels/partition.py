@@ -44,3 +44,32 @@ def kernel_axes(batch: int, kv_heads: int):
   rows = 'data' if batch % size.get('data', batch + 1) == 0 else None
   heads = 'model' if kv_heads % size.get('model', kv_heads + 1) == 0 else None
   return mesh, rows, heads
+
+
+def residual_axes(batch: int, width: int, *model_dims: int):
+  """A decoding layer's split residual stream (`fused.residual_split`): (mesh, rows axis or
+  None, 'model') when the traced mesh has a 'model' axis of several devices that divides the
+  residual stream's width into whole 128-lane slices and divides every one of `model_dims`
+  (what the layer splits over it: KV heads, attention output columns, MLP hidden units); else
+  None."""
+  split = kernel_axes(batch, 1)
+  if split is None:
+    return None
+  m = dict(zip(split[0].axis_names, split[0].axis_sizes)).get('model', 1)
+  if m == 1 or width % (128 * m) or any(d % m for d in model_dims):
+    return None
+  return split[0], split[1], 'model'
+
+
+def whole_width(x):
+  """x [B, ...] whole on every device of the traced mesh's 'model' axis (its rows over 'data'
+  where that divides them): the residual stream after a stack of layers that kept it split
+  over its width (`residual_axes`), before the final norm and the head, whose products the
+  compiler otherwise runs as a loop over the width's shards (a windowed einsum that wrote the
+  logits once per shard). One all-gather there; nothing where x is already whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  rows = kernel_axes(x.shape[0], 1)[1]
+  spec = jax.sharding.PartitionSpec(rows, *([None] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from d2sd_jax.kernels import partition
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import sampling as sampling_lib
 
@@ -210,6 +211,7 @@ def forward(dparams, dcfg: DrafterConfig, tparams, tcfg: model_lib.ModelConfig, 
     layer = jax.checkpoint(layer, static_argnums=(0,))
   for lp, kv in zip(dparams['layers'], ctx_cache):
     x_BxQxD, _ = layer(lcfg, x_BxQxD, lp, kv, positions_BxQ, ctx_mask, block_mask_BxQxQ)
+  x_BxQxD = partition.whole_width(x_BxQxD)  # (as target.forward's)
   h = model_lib.rms_norm(x_BxQxD, dparams['final_norm'], dcfg.norm_eps)
   if 'out_proj' in dparams:
     h = jnp.einsum('bqw,dw->bqd', h, dparams['out_proj'])

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.kernels import cached
 from d2sd_jax.kernels import fused
+from d2sd_jax.kernels import partition
 from d2sd_jax.kernels import splash
 
 Params = dict[str, Any]
@@ -489,19 +490,28 @@ def _layer_kernels(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_len_B, 
   """`layer` through the TPU kernels: the attention half up to the output projection
   (`fused.attention`: norm, q/k/v, q/k norms, RoPE and attention over the cache in one kernel),
   the output projection with the residual (`fused.out_projection`), the MLP (`fused.mlp`); the
-  cache write as in the XLA form."""
+  cache write as in the XLA form.
+
+  Over a mesh whose 'model' axis splits the layer (`fused.residual_split`) the residual stream
+  stays split over its width on 'model' (float32): the partial sums of the output projection
+  and the MLP are reduce-scattered in float32, each device adds the residual and norms its
+  columns, and the normed rows are all-gathered in the weights' dtype before the kernels,
+  which round them to it anyway. The values are the all-reduced form's up to float32
+  summation order; a device reads every token's rows only in the weights' dtype."""
+  residual = fused.residual_split(x_BxTxD.shape[0], lp)
   # (in the output projection's dtype: what its default-precision TPU matmul takes)
   attn_BxTxE, k_new_BxTxE, v_new_BxTxE = fused.attention(
       x_BxTxD, lp, positions_BxT, kv, ctx_len_B, tree_mask_BxTxT, block_size, eps=cfg.norm_eps,
       rope_base=cfg.rope_base, rope_freq_factors=cfg.rope_freq_factors, interpret=interpret,
-      out_dtype=lp['wo'].dtype)
+      out_dtype=lp['wo'].dtype, residual=residual)
   if new_kv_only:
     new_kv = {'k': k_new_BxTxE, 'v': v_new_BxTxE}
   else:
     heads = lambda a: a.reshape(*a.shape[:2], -1, cfg.head_dim).transpose(0, 2, 1, 3)
     new_kv = _write_after(kv, heads(k_new_BxTxE), heads(v_new_BxTxE), attn_BxTxE, write_start_B)
-  x_BxTxD = fused.out_projection(x_BxTxD, attn_BxTxE, lp['wo'])
-  return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret), new_kv
+  x_BxTxD = fused.out_projection(x_BxTxD, attn_BxTxE, lp['wo'], residual=residual)
+  return fused.mlp(x_BxTxD, lp, eps=cfg.norm_eps, interpret=interpret,
+                   residual=residual), new_kv
 
 
 def _write_after(kv, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, attn_BxTxE, write_start_B):
@@ -555,6 +565,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT: jax.Array, positions_B
     new_cache.append(kv)
     states.append(x_BxTxD)
   features = jnp.stack([states[i] for i in feature_layers], axis=2) if feature_layers else None
+  if not fresh:  # decoding's layers may have kept it split over its width on a mesh
+    x_BxTxD = partition.whole_width(x_BxTxD)  # (`fused.residual_split`)
   hidden_BxTxD = rms_norm(x_BxTxD, params['final_norm'], cfg.norm_eps)
   return hidden_BxTxD, new_cache, features
 

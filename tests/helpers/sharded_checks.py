@@ -6,6 +6,7 @@ process:
 XLA_FLAGS must be set before JAX starts, hence a separate process per check.
 """
 import os
+import re
 import sys
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
@@ -140,6 +141,64 @@ def check_kernels():
   assert float(jnp.abs(got_mlp - x).max()) > 0.1 * scale  # the MLP's part is there
 
 
+def check_split_residual():
+  """A verification pass (forward with write_cache=False, two layers) through the TPU layer
+  kernels in Pallas' interpreter, on one device and on a 2x4 mesh with the residual stream
+  split over its width (`fused.residual_split`: 512 columns, 128 per device): the same logits,
+  new K/V and features, and the program takes the split form: a float32 reduce-scatter per
+  output projection and MLP, the normed rows all-gathered, the rows never all-reduced. A layer
+  that added the residual on every shard, normed each device's columns by their own mean
+  square, or gathered the columns out of order would differ."""
+  from d2sd_jax.models import target as model_lib  # pylint: disable=import-outside-toplevel
+  cfg = model_lib.ModelConfig(vocab_size=64, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4,
+                              head_dim=128, d_ff=1024, rope_base=500.0, qk_norm=True)
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  B, T, S = 2, 8, 128
+  ks = jax.random.split(jax.random.key(1), 4)
+  cache = [{'k': jax.random.normal(k1, (B, cfg.n_kv_heads, S, cfg.head_dim)),
+            'v': jax.random.normal(k2, (B, cfg.n_kv_heads, S, cfg.head_dim))}
+           for k1, k2 in (jax.random.split(ks[0]), jax.random.split(ks[1]))]
+  lengths = jnp.array([37, 90])
+  tokens = jax.random.randint(ks[2], (B, T), 0, cfg.vocab_size)
+  tree = jax.random.bernoulli(ks[3], 0.4, (B, T, T)) | jnp.eye(T, dtype=bool)
+  positions = lengths[:, None] + jnp.arange(T)
+
+  def kernel_layer(cfg_, x, lp, kv, pos, ctx, tree_, write_start_B=None, block_size=None,
+                   fresh=False, new_kv_only=False):
+    assert not fresh
+    return model_lib._layer_kernels(  # pylint: disable=protected-access
+        cfg_, x, lp, kv, pos, ctx, tree_, write_start_B, block_size, interpret=True,
+        new_kv_only=new_kv_only)
+
+  def verify(p, c):
+    hidden, new_kv, feats = model_lib.forward(p, cfg, tokens, positions, c, lengths, tree,
+                                              feature_layers=(1, 2), write_cache=False)
+    return model_lib.logits(p, cfg, hidden), new_kv, feats
+
+  model_lib.layer = kernel_layer  # the TPU form on this CPU
+  want = jax.jit(verify)(params, cache)
+  mesh = sharding.make_mesh(2, 4)
+  split = jax.device_put(params, sharding.target_shardings(mesh, params))
+  kv_spec = jax.sharding.NamedSharding(mesh, sharding.spec_for(cache[0]['k'].shape,
+                                                               ('batch', 'kv_heads'), mesh))
+  split_cache = jax.device_put(cache, kv_spec)
+  with sharding.tracing_under(mesh):
+    program = jax.jit(verify).lower(split, split_cache).compile()
+    got = program(split, split_cache)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * float(jnp.abs(w).max()))
+  from d2sd_jax.perf import compiled as C  # pylint: disable=import-outside-toplevel
+  text = program.as_text()
+  coll = C.collectives(text)['by_kind']
+  # per layer two reduce-scatters of the partial sums, [1 row per data shard, 8 tokens, 128
+  # columns], and two all-gathers of the normed rows, in the weights' dtype (float32 here;
+  # bfloat16 on a TPU: tests/kernels/test_fused.py), then one of the stream, whole before the
+  # final norm (`partition.whole_width`); the rows are never all-reduced
+  assert len(re.findall(r'f32\[1,8,128\]\S* reduce-scatter', text)) == 2 * cfg.n_layers, coll
+  assert len(re.findall(r'f32\[1,8,512\]\S* all-gather', text)) == 2 * cfg.n_layers + 1, coll
+  assert not re.search(r'f32\[1,8,512\]\S* all-reduce', text), coll
+
+
 def _rss_bytes(field: str) -> int:
   with open('/proc/self/status') as f:
     for line in f:
@@ -193,5 +252,6 @@ def check_load(folder):
 if __name__ == '__main__':
   name, args = sys.argv[1], sys.argv[2:]
   {'rules': check_rules, 'train': check_train, 'decode': check_decode,
-   'load': check_load, 'kernels': check_kernels}[name](*args)
+   'load': check_load, 'kernels': check_kernels,
+   'split_residual': check_split_residual}[name](*args)
   print(f'ok {name}')

@@ -4,6 +4,7 @@ layer verifying a token tree over a cache, with rows of different lengths; a TPU
 them (and a CPU program does not), and over a model-parallel mesh they compile split, the MLP's
 partial sums reduced, no weight gathered."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,10 +133,10 @@ def test_fits_needs_lane_dense_heads_and_rows_that_fit_vmem():
   assert not fused.fits(8, 128, 1000)  # F not in two halves of 128-column tiles
 
 
-def _layer_program(devices, mesh_spec, T=8):
-  """One LEAN layer verifying T tokens, compiled for `devices` over a mesh."""
+def _layer_program(devices, mesh_spec, T=8, **changes):
+  """One LEAN layer (with `changes`) verifying T tokens, compiled for `devices` over a mesh."""
   mesh = C.mesh_of(devices, mesh_spec)
-  cfg = dataclasses.replace(LEAN, n_layers=1)
+  cfg = dataclasses.replace(LEAN, n_layers=1, **changes)
   lp = C.target_params(cfg, mesh)['layers'][0]
   kv = jax.eval_shape(lambda: model_lib.init_cache(cfg, 1, 256))[0]
   spec = jax.sharding.NamedSharding(mesh, C.sharding.spec_for(kv['k'].shape, (
@@ -170,3 +171,25 @@ def test_kernels_compile_split_over_a_model_parallel_mesh():
   coll = C.collectives(text)
   assert not coll['weight_gathers'], coll
   assert coll['by_kind']['all-reduce']['count'] >= 1, coll
+
+
+def test_kernels_split_the_residual_stream_where_the_model_axis_splits_the_layer():
+  """On v5e:2x2 with a model axis of 4 and 4 KV heads, a layer verifying 8 tokens keeps its
+  residual stream split over its width (`fused.residual_split`, 256 of 1,024 columns per
+  device): the output projection's and the MLP's float32 partial sums are reduce-scattered
+  (the compiler keeps them: it turned a reduce-scatter over the tokens, 2 per device, into an
+  all-reduce and a slice), the normed rows all-gathered in bfloat16 (the weights' dtype), the
+  rows never all-reduced, no weight gathered. With 2 KV heads (not split 4 ways) the layer
+  all-reduces its rows as before. (tests/helpers/sharded_checks.py split_residual checks the
+  values.)"""
+  devices = tpu_devices('v5e:2x2')
+  text = _layer_program(devices, 'data=1,model=4', n_heads=8, n_kv_heads=4).compile().as_text()
+  coll = C.collectives(text)
+  assert not coll['weight_gathers'], coll
+  assert len(re.findall(r'f32\[1,8,256\]\S* reduce-scatter', text)) == 2, coll
+  assert len(re.findall(r'bf16\[1,8,1024\]\S* all-gather', text)) == 2, coll
+  assert not re.search(r'f32\[1,8,1024\]\S* all-reduce', text), coll
+  text = _layer_program(devices, 'data=1,model=4').compile().as_text()
+  coll = C.collectives(text)
+  assert 'reduce-scatter' not in coll['by_kind'], coll
+  assert len(re.findall(r'f32\[1,8,1024\]\S* all-reduce', text)) == 2, coll

@@ -29,6 +29,10 @@ def test_kernels_split_over_a_mesh_equal_one_device():
   run_check('kernels')
 
 
+def test_layers_with_the_residual_stream_split_equal_one_device():
+  run_check('split_residual')
+
+
 @pytest.mark.slow
 def test_sharded_train_step_equals_one_device(tiny_folder, distill_dir, tmp_path):
   run_check('train', tiny_folder, distill_dir, str(tmp_path))
