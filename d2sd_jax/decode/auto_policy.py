@@ -12,9 +12,10 @@ policy owns the remembered record (`auto_record.Record`) and saves it. Its loop:
    few tokens, not in a whole batch decoded with the wrong candidate.
 3. `observe`, after every batch: the record learns what the batch measured
    (`Record.learn`), and when another candidate now predicts more tokens/s the next batch
-   decodes with it, with a line saying so. Exploration is bounded: only the timed candidates,
-   then whichever the measurements rank first, decode; a choice the measurements show slower
-   decodes at most one more batch.
+   decodes with it, with a line saying so, when it predicts SWITCH_MARGIN times more tokens/s
+   than the one decoding (one prompt's difficulty is noise, not a ranking). Exploration is
+   bounded: only the timed candidates, then whichever the measurements rank first by that
+   margin, decode.
 
 A probed record (measured on the request's own prompts) decodes every prompt in one call.
 """
@@ -33,6 +34,11 @@ from d2sd_jax.decode import autoconfig
 # τ on these prompts tells whether the prior holds for them
 AR_TIMING_TOKENS = 32
 TIMED_FIRST = 3  # at most: AR, the prior's pick and the pick after it, if that one fell below
+# A batch moves the next one to another candidate only if that one now predicts this much more
+# than the one decoding: at batch 1 a batch is one prompt, whose difficulty moves the measured
+# τ by tens of percent, and a candidate measured on other prompts than its rival is not beaten
+# by noise (a switch also starts another program)
+SWITCH_MARGIN = 1.1
 
 
 class Policy:
@@ -92,11 +98,12 @@ class Policy:
       self.parts[-1]['prompts'] += prompts
     else:
       self.parts.append({'choice': self.label, 'prompts': prompts})
-    self.record.learn(measured, batch)
+    self.record.learn(measured, batch, label=self.label)  # (the one that decoded it)
     self.record.save(self.path)
-    best = self.record.auto_choice
-    if best != self.label and more:
-      table = self.record.auto_candidates
+    best, table = self.record.auto_choice, self.record.auto_candidates
+    gain = table[best]['predicted_tokens_per_s'] / max(
+        table[self.label]['predicted_tokens_per_s'], 1e-9)
+    if best != self.label and more and gain >= SWITCH_MARGIN:
       decoded = sum(p['prompts'] for p in self.parts)
       self.log(f"auto: after {decoded} prompts, {self.label} now predicts "
                f"{table[self.label]['predicted_tokens_per_s']:.2f} tokens/s and {best} "
