@@ -96,7 +96,8 @@ MUTATIONS = {
         drafting, 'positions = jnp.broadcast_to(state.cache_len_B[:, None, None] + jnp.arange(G), '
         '(B, K, G))\n  out = drafter_lib.denoise(\n      params[name], getattr(settings, name), '
         "params['target'], cfg,\n      tokens_BxKxG.reshape(B, K * G), is_mask_BxKxG.reshape(B, "
-        'K * G),\n      positions.reshape(B, K * G), state.draft_caches[name], state.cache_len_B,',
+        'K * G),\n      positions.reshape(B, K * G), state.draft_caches[name], '
+        '_context(settings, state, name),',
         'longest_B = jnp.broadcast_to(jnp.max(state.cache_len_B), state.cache_len_B.shape)\n'
         '  positions = jnp.broadcast_to(longest_B[:, None, None] + jnp.arange(G), (B, K, G))\n'
         '  out = drafter_lib.denoise(\n      params[name], getattr(settings, name), '

@@ -68,8 +68,8 @@ def whole_width(x):
   compiler otherwise runs as a loop over the width's shards (a windowed einsum that wrote the
   logits once per shard). One all-gather there; nothing where x is already whole."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return x
+  if mesh.empty or dict(zip(mesh.axis_names, mesh.axis_sizes)).get('model', 1) == 1:
+    return x  # (no model axis: nothing was split over the width)
   rows = kernel_axes(x.shape[0], 1)[1]
   spec = jax.sharding.PartitionSpec(rows, *([None] * (x.ndim - 1)))
   return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
