@@ -101,14 +101,17 @@ class Policy:
     self.record.learn(measured, batch, label=self.label)  # (the one that decoded it)
     self.record.save(self.path)
     best, table = self.record.auto_choice, self.record.auto_candidates
-    gain = table[best]['predicted_tokens_per_s'] / max(
-        table[self.label]['predicted_tokens_per_s'], 1e-9)
-    if best != self.label and more and gain >= SWITCH_MARGIN:
-      decoded = sum(p['prompts'] for p in self.parts)
-      self.log(f"auto: after {decoded} prompts, {self.label} now predicts "
-               f"{table[self.label]['predicted_tokens_per_s']:.2f} tokens/s and {best} "
-               f"{table[best]['predicted_tokens_per_s']:.2f}: switching")
-      self.label = best
+    if best == self.label or not more:
+      return
+    # (a record not timed yet predicts in tokens per AR step only: its choice is followed)
+    now, then = (table[k].get('predicted_tokens_per_s') for k in (self.label, best))
+    if now is not None and then is not None and then < SWITCH_MARGIN * now:
+      return
+    said = lambda rate: 'an untimed rate' if rate is None else f'{rate:.2f} tokens/s'
+    decoded = sum(p['prompts'] for p in self.parts)
+    self.log(f'auto: after {decoded} prompts, {self.label} now predicts {said(now)} and {best} '
+             f'{said(then)}: switching')
+    self.label = best
 
   def stats(self) -> dict:
     """auto's part of the request's stats: the first choice and its figures (as chosen), the

@@ -80,7 +80,7 @@ def test_a_batch_measured_slower_moves_the_next_batch_and_says_so(tmp_path):
   policy.observe(batch(10, 20, 1.0), prompts=1, batch=1, more=True)
   assert policy.label == 'ar' and policy.options.method == 'ar'
   assert lines == ['auto: after 3 prompts, d2sd_tree(N=8) now predicts 20.00 tokens/s and ar '
-                   '34.00: switching']
+                   '34.00 tokens/s: switching']
   # AR measures 50 ms a step (20 tokens/s, as d2sd_tree), but on the last batch:
   # nothing is left to decode, so nothing switches
   policy.observe(batch(20, 20, 1.0), prompts=1, batch=1, more=False)
@@ -103,3 +103,19 @@ def test_a_probed_record_decodes_everything_at_once_and_learns_nothing(tmp_path)
   policy.observe(batch(22, 20, 2.0), prompts=2, batch=1, more=True)
   assert policy.parts == [] and 'auto_parts' not in policy.stats() and not lines
   assert json.load(open(policy.path)) == before
+
+
+def test_a_batch_too_short_to_time_leaves_the_prior_in_charge(tmp_path):
+  """A batch of fewer loop steps than MIN_PROBE_CYCLES times nothing: the record keeps its
+  prior's predictions (tokens per AR step, no tokens/s), and the policy follows its choice."""
+  lines = []
+  policy = prior_policy(tmp_path, lines)
+  policy.label = 'pld'  # (decoding something the record does not rank first)
+  policy.observe(batch(6, 3, 0.1), prompts=1, batch=1, more=True)
+  assert policy.record.measured['pld']['decode_steps'] == 3
+  assert 'predicted_tokens_per_s' not in policy.record.auto_candidates['pld']
+  assert policy.label == 'd2sd_tree(N=8)'
+  assert lines == ['auto: after 1 prompts, pld now predicts an untimed rate and d2sd_tree(N=8) '
+                   'an untimed rate: switching']
+  policy.observe(batch(6, 3, 0.1), prompts=1, batch=1, more=True)  # its own choice: no line
+  assert len(lines) == 1
