@@ -58,7 +58,7 @@ class Policy:
 
   @property
   def options(self):
-    return autoconfig.chosen_options(self.request, self.record.auto_candidates[self.label])
+    return self.options_of(self.label)
 
   @property
   def learns(self) -> bool:

@@ -227,11 +227,3 @@ class Record:
     self.lookup_seen = {'tokens': tokens + RECENCY * old['tokens'],
                         'cycles': cycles + RECENCY * old['cycles']}
 
-
-def learn(path: str, measured: dict, batch: int, label: str | None = None) -> Record:
-  """Record.learn on the record saved at `path`, saved back (a probed one is left as it is)."""
-  record = Record.load(path)
-  if record.learns:
-    record.learn(measured, batch, label)
-    record.save(path)
-  return record

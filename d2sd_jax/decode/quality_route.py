@@ -17,6 +17,7 @@ import json
 import os
 
 from d2sd_jax.formats import checkpoints
+from d2sd_jax.spec_decode import speculative as SP
 
 METHOD = 'dflash'  # the method the frontier measures
 
@@ -70,8 +71,8 @@ def check(options) -> None:
     raise ValueError(f'quality_budget={budget} needs temperature=1.0, where the frontier was '
                      f'measured (temperature={options.temperature}); or decode losslessly '
                      '(quality_budget=0)')
-  defaults = {'leniency': 0.0, 'steps': 1}  # (SpecSettings')
-  if budget and any(options.spec.get(k) not in (None, v) for k, v in defaults.items()):
+  defaults = {f.name: f.default for f in dataclasses.fields(SP.SpecSettings)}
+  if budget and any(options.spec.get(k) not in (None, defaults[k]) for k in ('leniency', 'steps')):
     raise ValueError('quality_budget chooses spec.leniency and spec.steps: drop them, or drop '
                      'the budget')
 

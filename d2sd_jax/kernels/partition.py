@@ -40,9 +40,8 @@ def kernel_axes(batch: int, kv_heads: int):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return None
-  size = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  rows = 'data' if batch % size.get('data', batch + 1) == 0 else None
-  heads = 'model' if kv_heads % size.get('model', kv_heads + 1) == 0 else None
+  rows = 'data' if batch % mesh.shape.get('data', batch + 1) == 0 else None
+  heads = 'model' if kv_heads % mesh.shape.get('model', kv_heads + 1) == 0 else None
   return mesh, rows, heads
 
 
@@ -55,7 +54,7 @@ def residual_axes(batch: int, width: int, *model_dims: int):
   split = kernel_axes(batch, 1)
   if split is None:
     return None
-  m = dict(zip(split[0].axis_names, split[0].axis_sizes)).get('model', 1)
+  m = split[0].shape.get('model', 1)
   if m == 1 or width % (128 * m) or any(d % m for d in model_dims):
     return None
   return split[0], split[1], 'model'
@@ -68,7 +67,7 @@ def whole_width(x):
   compiler otherwise runs as a loop over the width's shards (a windowed einsum that wrote the
   logits once per shard). One all-gather there; nothing where x is already whole."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or dict(zip(mesh.axis_names, mesh.axis_sizes)).get('model', 1) == 1:
+  if mesh.empty or mesh.shape.get('model', 1) == 1:
     return x  # (no model axis: nothing was split over the width)
   rows = kernel_axes(x.shape[0], 1)[1]
   spec = jax.sharding.PartitionSpec(rows, *([None] * (x.ndim - 1)))

@@ -2,6 +2,7 @@
 by batch, the remembered choice and its key (tiny target and drafters: cheap); and `learn`
 (how a batch's measurement moves the remembered record's predictions) on records written by
 hand (no model)."""
+import copy
 import dataclasses
 import json
 
@@ -480,6 +481,14 @@ def test_a_prior_applies_only_to_its_drafters_platform_and_settings_nearest_batc
   assert autoconfig.from_prior(target, {'drafter1': d1}, options, 1, path) is None
 
 
+def learn(path, measured: dict, batch: int, label=None) -> auto_record.Record:
+  """Record.learn on the record saved at `path`, saved back (as auto_policy.Policy does)."""
+  record = auto_record.Record.load(str(path))
+  record.learn(measured, batch, label)
+  record.save(str(path))
+  return record
+
+
 def _prior_record(rows: dict) -> dict:
   """A record as from_prior writes it: {label: (method, tau, cycle in AR steps)}."""
   return {'version': auto_record.VERSION, 'source': 'prior', 'measured': {},
@@ -501,18 +510,18 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   path.write_text(json.dumps(_prior_record(rows)))
   assert json.loads(path.read_text())['auto_choice'] == 'd2sd_tree(N=8)'
   # AR timed alone (0.05 s a step): every cycle is its AR steps at that, the choice stays
-  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+  rec = learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
                                      'decode_steps': 20}, 1, label='ar')
   assert rec.auto_choice == 'd2sd_tree(N=8)' and rec.prompt_scale == 1.0
   assert rec.auto_candidates['pld']['cycle_ms'] == pytest.approx(1.4 * 50)
   assert rec.auto_candidates['ar']['predicted_tokens_per_s'] == pytest.approx(20)
   short = {'decode_tokens': 10, 'cycles': 5, 'decode_s': 0.5, 'decode_steps': 5}
-  rec = auto_record.learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
+  rec = learn(str(path), short, 1)  # 5 steps < MIN_PROBE_CYCLES: nothing to time yet
   assert rec.auto_choice == 'd2sd_tree(N=8)'
   assert rec.measured['d2sd_tree(N=8)'] == dict(short, unit_s=0.5)
   assert rec.auto_candidates['d2sd_tree(N=8)']['tau'] == 3.1  # (unchanged)
   # 35 cycles more at 0.1 s (the speculative AR step: 0.1 / 1.7 s); the earlier 5 weigh half
-  rec = auto_record.learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
+  rec = learn(str(path), {'decode_tokens': 62, 'cycles': 35, 'decode_s': 3.5,
                                      'decode_steps': 35}, 1)
   assert rec.measured['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
                                                'decode_s': 3.75, 'decode_steps': 37.5,
@@ -533,7 +542,7 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   assert rec.auto_choice == 'pld' and rec.source == 'prior+measured'
   # pld measured poorly on these prompts too: its measurement is its prediction, and the
   # drafters' scale is unchanged by it
-  rec = auto_record.learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
+  rec = learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
                                      ar_s, 'decode_steps': 20}, 1)
   table = rec.auto_candidates
   assert table['pld']['tau'] == pytest.approx(1.1) and rec.prompt_scale == pytest.approx(
@@ -541,8 +550,9 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   assert rec.auto_choice == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
   # a probed record is not the prior's to refine
   path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
-  assert auto_record.learn(str(path), short, 1).measured == {}
-  assert json.loads(path.read_text()) == dict(_prior_record(rows), source='probed')
+  probed = auto_record.Record.load(str(path))
+  before = copy.deepcopy(probed.as_json())
+  assert probed.learn(short, 1).as_json() == before and probed.measured == {}
 
 
 def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_path):
@@ -553,16 +563,16 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'ddtree(N=4)': ('ddtree', 1.5, 1.5),
           'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
   path.write_text(json.dumps(_prior_record(rows)))
-  auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
+  learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
                                'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
   # d2sd_tree: τ 1.9 at 100 ms a cycle, 19 tokens/s, below AR's 20: AR decodes next
-  rec = auto_record.learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
+  rec = learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
                                      'decode_steps': 20}, 1)
   assert rec.auto_choice == 'ar' and rec.machine == 1.0
   table = rec.auto_candidates
   assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19, abs=0.01)
   # the machine slows by a fifth: AR runs at 60 ms a step, and so would every other program
-  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
+  rec = learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
                                      'decode_steps': 20}, 1)
   table = rec.auto_candidates
   assert rec.machine == pytest.approx(1.2)
@@ -573,7 +583,7 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19 / 1.2, abs=0.01)
   assert rec.auto_choice == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
   # the machine recovers while AR decodes: every prediction speeds up alike
-  rec = auto_record.learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
+  rec = learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
                                      'decode_steps': 20}, 1)
   assert rec.machine == pytest.approx(0.9)
   assert rec.auto_candidates['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(90)
@@ -593,14 +603,14 @@ def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
   repeat = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # the completion repeats the prompt
   cycles = replay.lookup_cycles(prompt, repeat, 8, 3)
   assert cycles < (len(repeat) - 1) / 3
-  rec = auto_record.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+  rec = learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
                                      'decode_steps': 23, 'prompt_ids': [prompt],
                                      'completion_ids': [repeat]}, 1, label='ar')
   assert rec.auto_candidates['pld']['tau'] == pytest.approx(23 / cycles, abs=1e-3)
   assert rec.auto_choice == 'pld'
   # a batch that repeats nothing: lookup proposes nothing, one token a cycle
   fresh = list(range(100, 124))
-  rec = auto_record.learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+  rec = learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
                                      'decode_steps': 23, 'prompt_ids': [prompt],
                                      'completion_ids': [fresh]}, 1, label='ar')
   assert rec.auto_candidates['pld']['tau'] == pytest.approx(
