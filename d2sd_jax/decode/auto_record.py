@@ -24,6 +24,12 @@ MIN_PROBE_CYCLES = 8  # fewer loop steps than this: too short to time
 # learn: the weight of a candidate's earlier measurements when a batch adds a new one (0.5: the
 # last two batches count for three quarters)
 RECENCY = 0.5
+# learn: a measured τ is shrunk toward the candidate's prior as if the prior had been measured
+# over this many cycles. The first batch's timing (auto_policy.AR_TIMING_TOKENS tokens of one
+# prompt) is a dozen cycles, whose τ moves by tens of percent with that prompt alone: without
+# this, one hard opening ranks a tree below AR, and AR, which teaches the trees nothing, decodes
+# the rest of the request. A whole batch of 96 tokens outweighs it two to one.
+PRIOR_CYCLES = 16
 SOURCES = ('probed', 'prior', 'prior+measured')
 
 
@@ -126,7 +132,9 @@ class Record:
     prompts, which change), and the predictions are remade:
 
     - a candidate measured for at least MIN_PROBE_CYCLES loop steps (so weighed) is predicted
-      by its own totals: τ = tokens / cycles, and its cycle is its program's cost times how
+      by its own totals: τ = tokens / cycles, shrunk toward its prior's τ by PRIOR_CYCLES
+      pseudo-cycles (a short measurement is one prompt's opening, not the request), and its
+      cycle is its program's cost times how
       slow the machine runs now (`machine`). Every program has fixed shapes, so a candidate's
       cycle does not depend on the prompts: once it is timed, a later batch of it that runs
       slower or faster tells of the machine (a shared VM drifts by tens of percent within
@@ -183,8 +191,8 @@ class Record:
     # lookup drafts nothing (its cycle is a verification), so it follows AR's own step
     step_of = {'drafters': ar_step_ms(by_kind['drafters'] or spec or by_kind['ar']),
                'pld': ar_step_ms(by_kind['ar'] or spec)}
-    tau_of = {n: (m['decode_tokens'] / m['cycles'] if m['cycles'] else 1.0)
-              for n, m in timed.items()}
+    tau_of = {n: (m['decode_tokens'] + PRIOR_CYCLES * table[n]['prior_tau']) /
+                 (m['cycles'] + PRIOR_CYCLES) for n, m in timed.items()}
     seen = self.lookup_seen or {}
     last = self.scale_from
     scale = ((tau_of[last] - 1) / (table[last]['prior_tau'] - 1)

@@ -13,6 +13,13 @@ ROWS = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4), 'dflash': ('dflash', 1
         'd2sd_tree(N=8)': ('d2sd_tree', 3.1, 1.7)}
 
 
+@pytest.fixture(autouse=True)
+def unshrunk(monkeypatch):
+  """The decisions below are given the τ the batches measure, as measured (Record.learn's
+  shrinkage toward the prior has tests of its own, and one here that switches it back on)."""
+  monkeypatch.setattr(auto_record, 'PRIOR_CYCLES', 0)
+
+
 def prior_policy(tmp_path, lines, rows=None):
   """A policy over a record from a prior (`rows`, ROWS by default: τ and cycles in AR steps),
   saved at r.json."""
@@ -119,3 +126,25 @@ def test_a_batch_too_short_to_time_leaves_the_prior_in_charge(tmp_path):
                    'an untimed rate: switching']
   policy.observe(batch(6, 3, 0.1), prompts=1, batch=1, more=True)  # its own choice: no line
   assert len(lines) == 1
+
+
+@pytest.mark.parametrize('prior_cycles', [auto_record.PRIOR_CYCLES, 0])
+def test_a_hard_opening_does_not_hand_the_request_to_ar(tmp_path, monkeypatch, prior_cycles):
+  """The first tokens of one prompt are a dozen cycles: a tree measured at τ 1.5 there (its
+  prior: 3.1) is one hard opening, not the request. Shrunk toward its prior, it still ranks
+  above AR and decodes the first batch; taken as measured (prior_cycles 0), it would fall below
+  AR, which then decodes the request and teaches the trees nothing."""
+  monkeypatch.setattr(auto_record, 'PRIOR_CYCLES', prior_cycles)
+  policy = prior_policy(tmp_path, [])
+  # AR: 50 ms a step (20 tokens/s); d2sd_tree: 18 tokens in 12 cycles of 85 ms (17.6 tokens/s
+  # as measured, (18 + 16 x 3.1) / 28 = 2.41 a cycle, 28.4 tokens/s shrunk)
+  figures = {'ar': batch(32, 32, 1.6), 'd2sd_tree(N=8)': batch(18, 12, 12 * 0.085)}
+  policy.time_first(lambda options, label: (figures[label], 0.0), batch=1)
+  table = policy.record.auto_candidates
+  assert policy.stats()['auto_timed'] == ['ar', 'd2sd_tree(N=8)']
+  if prior_cycles:
+    assert table['d2sd_tree(N=8)']['tau'] == pytest.approx(
+        (18 + prior_cycles * 3.1) / (12 + prior_cycles), abs=1e-3)
+    assert policy.label == 'd2sd_tree(N=8)'
+  else:
+    assert table['d2sd_tree(N=8)']['tau'] == 1.5 and policy.label == 'ar'

@@ -265,9 +265,11 @@ def test_auto_from_the_drafters_prior_chooses_at_once_then_learns(tiny_folder, a
       {'ar': (1.0, 1.0), 'pld(gamma=4)': (50.0, 1.0), 'dflash': (4.5, 1.0)})
   monkeypatch.setattr(auto_record, 'MIN_PROBE_CYCLES', 1)
   # AR's step is not timed here (a tiny model's AR beats every candidate: nothing would move),
-  # and measurements add up whole (their recency weights: test_learn_... below)
+  # and measurements add up whole, unshrunk by the prior (their recency weights and the
+  # shrinkage: test_learn_... below)
   monkeypatch.setattr(auto_policy, 'AR_TIMING_TOKENS', 1)
   monkeypatch.setattr(auto_record, 'RECENCY', 1.0)
+  monkeypatch.setattr(auto_record, 'PRIOR_CYCLES', 0)
   prompts = ['abcabcabcabc', 'hello hello hello', 'abcabcabcabc']
   base = options_lib.Options(method='ar', max_new_tokens=16, chat=False, batch_size=1)
   ar, _ = generate_lib.generate(target, drafters, prompts, base)
@@ -489,6 +491,11 @@ def learn(path, measured: dict, batch: int, label=None) -> auto_record.Record:
   return record
 
 
+def shrunk(tokens, cycles, prior_tau):
+  """A measured τ as Record.learn predicts from it: shrunk toward the prior's."""
+  return (tokens + auto_record.PRIOR_CYCLES * prior_tau) / (cycles + auto_record.PRIOR_CYCLES)
+
+
 def _prior_record(rows: dict) -> dict:
   """A record as from_prior writes it: {label: (method, tau, cycle in AR steps)}."""
   return {'version': auto_record.VERSION, 'source': 'prior', 'measured': {},
@@ -526,7 +533,7 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
   assert rec.measured['d2sd_tree(N=8)'] == {'decode_tokens': 67, 'cycles': 37.5,
                                                'decode_s': 3.75, 'decode_steps': 37.5,
                                                'unit_s': 3.75}
-  table, ar_s, tau = rec.auto_candidates, 0.1 / 1.7, 67 / 37.5
+  table, ar_s, tau = rec.auto_candidates, 0.1 / 1.7, shrunk(67, 37.5, 3.1)
   scale = (tau - 1) / (3.1 - 1)
   assert rec.prompt_scale == pytest.approx(scale, abs=1e-4)
   assert table['d2sd_tree(N=8)']['tau'] == pytest.approx(tau, abs=1e-3)
@@ -538,16 +545,16 @@ def test_learn_scales_the_drafters_unmeasured_candidates_by_what_the_measured_on
       assert table[label]['cycle_ms'] == pytest.approx(1e3 * steps * ar_s, rel=1e-3)
   assert table['ar']['cycle_ms'] == pytest.approx(50)  # AR keeps its own timing,
   assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 50)  # and prompt lookup follows it
-  # pld 1.7 / (1.4 * 50 ms) = 24.3 tokens/s, AR 20, ddtree 1.34 / (1.2 * 58.8 ms) = 18.9
+  # pld 1.7 / (1.4 * 50 ms) = 24.3 tokens/s, AR 20, d2sd_tree 2.18 / 100 ms = 21.8
   assert rec.auto_choice == 'pld' and rec.source == 'prior+measured'
-  # pld measured poorly on these prompts too: its measurement is its prediction, and the
-  # drafters' scale is unchanged by it
-  rec = learn(str(path), {'decode_tokens': 22, 'cycles': 20, 'decode_s': 20 * 1.4 *
-                                     ar_s, 'decode_steps': 20}, 1)
+  # pld measured poorly on these prompts too, at length: its measurement (shrunk toward its
+  # prior) is its prediction, and the drafters' scale is unchanged by it
+  rec = learn(str(path), {'decode_tokens': 220, 'cycles': 200, 'decode_s': 200 * 1.4 *
+                                     ar_s, 'decode_steps': 200}, 1)
   table = rec.auto_candidates
-  assert table['pld']['tau'] == pytest.approx(1.1) and rec.prompt_scale == pytest.approx(
-      scale, abs=1e-4)
-  assert rec.auto_choice == 'ar'  # 20 tokens/s, ddtree 18.9, pld 13.4
+  assert table['pld']['tau'] == pytest.approx(shrunk(220, 200, 1.7), abs=1e-3)
+  assert rec.prompt_scale == pytest.approx(scale, abs=1e-4)
+  assert rec.auto_choice == 'd2sd_tree(N=8)'  # 21.8 tokens/s, AR 20, pld 14.2
   # a probed record is not the prior's to refine
   path.write_text(json.dumps(dict(_prior_record(rows), source='probed')))
   probed = auto_record.Record.load(str(path))
@@ -565,12 +572,14 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   path.write_text(json.dumps(_prior_record(rows)))
   learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.0,
                                'decode_steps': 20}, 1, label='ar')  # AR: 50 ms a step
-  # d2sd_tree: τ 1.9 at 100 ms a cycle, 19 tokens/s, below AR's 20: AR decodes next
-  rec = learn(str(path), {'decode_tokens': 38, 'cycles': 20, 'decode_s': 2.0,
-                                     'decode_steps': 20}, 1)
+  # d2sd_tree: τ 1.9 over 400 cycles (1.96 with its prior's 3.1) at 100 ms a cycle, 19.6
+  # tokens/s, below AR's 20: AR decodes next
+  rec = learn(str(path), {'decode_tokens': 760, 'cycles': 400, 'decode_s': 40.0,
+                                     'decode_steps': 400}, 1)
   assert rec.auto_choice == 'ar' and rec.machine == 1.0
   table = rec.auto_candidates
-  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19, abs=0.01)
+  rate = shrunk(760, 400, 3.1) / 0.1
+  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(rate, abs=0.01)
   # the machine slows by a fifth: AR runs at 60 ms a step, and so would every other program
   rec = learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 1.2,
                                      'decode_steps': 20}, 1)
@@ -580,8 +589,9 @@ def test_learn_reads_a_timed_candidates_slower_cycle_as_the_machines_drift(tmp_p
   assert table['d2sd_tree(N=8)']['cycle_ms'] == pytest.approx(120)  # not its 100 ms of before
   assert table['pld']['cycle_ms'] == pytest.approx(1.4 * 60)
   assert table['ddtree(N=4)']['cycle_ms'] == pytest.approx(1.5 * 100 / 1.7 * 1.2)
-  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(19 / 1.2, abs=0.01)
-  assert rec.auto_choice == 'ar'  # 16.7 tokens/s against d2sd_tree's 15.8 (19 undrifted)
+  assert table['d2sd_tree(N=8)']['predicted_tokens_per_s'] == pytest.approx(rate / 1.2,
+                                                                            abs=0.01)
+  assert rec.auto_choice == 'ar'  # 16.7 tokens/s against d2sd_tree's 16.3 (19.6 undrifted)
   # the machine recovers while AR decodes: every prediction speeds up alike
   rec = learn(str(path), {'decode_tokens': 20, 'cycles': 20, 'decode_s': 0.9,
                                      'decode_steps': 20}, 1)
