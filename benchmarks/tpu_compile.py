@@ -11,7 +11,8 @@ topology from this host (libtpu's compile-only devices, no TPU), with what the c
 (its config.json); --dtype its weights' dtype (bfloat16). --drafters: paper (DFlash's 5-layer
 drafters for the target, gamma 16, K = 4) or drafter folders DRAFTER1[,DRAFTER2] (their configs
 only). --methods: ar, pld and the drafter methods (drafting.REGISTRY; the best-first trees
-ddtree and d2sd_tree at compiled.TREE_BUDGET = 16 nodes, as reproduce.py measures them).
+ddtree and d2sd_tree at compiled.TREE_BUDGET = 16 nodes, as reproduce.py measures them, or at N
+nodes written d2sd_tree:N).
 --mesh data=D,model=M over the topology's devices (default data=1,model=-1: every device on the
 model axis); the training step uses its config's mesh, as train.py does.
 
@@ -217,6 +218,7 @@ def accelerator_tables(kept: dict) -> str:
   out.append(f"| NVIDIA H200 | the D²SD paper's measurements | | | | "
              f"{C.PAPER_SPEEDUP_H200['dflash']:.2f}× | {C.PAPER_SPEEDUP_H200['d2sd']:.2f}× |")
   out += ['', f'For comparison: {VLLM_TPU_DFLASH}.', '']
+  out += breakeven_tables(kept)
   # The shipped SmolLM2 drafters: tau measured here (it does not depend on the hardware).
   with open(os.path.join(ROOT, 'results', 'reproduce.json')) as f:
     rep = json.load(f)
@@ -242,6 +244,39 @@ def accelerator_tables(kept: dict) -> str:
             "), with the TPU compiler's cycle estimates above (context 256)", '',
             '| chip | method | tau | cycle | predicted speed-up |', '|---|---|---|---|---|'] + rows
   return '\n'.join(out).rstrip() + '\n'
+
+
+def breakeven_tables(kept: dict) -> list[str]:
+  """Where speculation stops paying: for each chip, mesh, target and drafters kept at more
+  than one batch, every method's cycle in AR steps at each batch (the τ above which it beats
+  AR; compiled.breakeven), and at the paper's τ the predicted speed-up."""
+  groups = {}
+  for r in kept.values():
+    if r['methods'] and 'ar' in r['methods']:
+      mesh = f"{r['mesh']['data']}x{r['mesh']['model']}"
+      groups.setdefault((r['chip'], r['topology'], mesh, r['target'], r['drafters'],
+                         r['context']), set()).add(r['batch'])
+  out = []
+  for (chip, topology, mesh, target, drafters, context), batches in groups.items():
+    if len(batches) < 2:
+      continue
+    table = C.breakeven(kept, chip, target, drafters, mesh, context)
+    methods = sorted({m for row in table.values() for m in row})
+    paper = drafters == 'paper'
+    out += [f'**Where speculation stops paying: {target} on {topology} (mesh {mesh}), drafters '
+            f'{drafters}, context {context}.** Each cycle in AR steps, the τ above which the '
+            "method beats AR at that batch (the TPU compiler's estimates"
+            + (", and at the paper's τ the predicted speed-up" if paper else '') + ')', '',
+            '| batch | ' + ' | '.join(methods) + ' |', '|---' * (len(methods) + 1) + '|']
+    for batch, row in table.items():
+      cells = []
+      for m in methods:
+        c = row.get(m)
+        tau = C.PAPER_TAU.get(C.method_of(m)[0]) if paper else None
+        cells.append('' if c is None else f'{c:.2f}' + (f' ({tau / c:.2f}×)' if tau else ''))
+      out.append(f'| {batch} | ' + ' | '.join(cells) + ' |')
+    out.append('')
+  return out
 
 
 def write_markdown(text: str, path: str = None) -> None:

@@ -2,6 +2,7 @@
 
   python scripts/costmodel.py measure [--drafter1 ... --drafter2 ...] [--force]
   python scripts/costmodel.py predict --chip h200 --target qwen3-8b
+  python scripts/costmodel.py breakeven --chip tpu-v5p --target qwen3-8b [--mesh 1x8]
 
 For TPU chips (tpu-v5e, tpu-v5p) predict takes the cycle costs the TPU compiler estimated for
 the compiled programs, kept in results/tpu_compile.json by benchmarks/tpu_compile.py --record
@@ -10,6 +11,7 @@ the compiled programs, kept in results/tpu_compile.json by benchmarks/tpu_compil
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from d2sd_jax.formats import loaders
@@ -43,7 +45,20 @@ def main():
   p.add_argument('--tau', default='dflash=5.31,d2sd=7.05',
                  help='method=tau pairs: predicted speed-up over AR at these acceptance lengths '
                       '(default: the D2SD paper\'s Qwen3-8B means at T = 0)')
+  b = sub.add_parser('breakeven', help='per batch, the tau above which each method beats AR, '
+                     'from the TPU compiler\'s recorded cycle costs')
+  b.add_argument('--chip', default='tpu-v5p', choices=sorted(
+      n for n, c in costmodel.CHIPS.items() if c.name.startswith('TPU')))
+  b.add_argument('--target', default='qwen3-8b')
+  b.add_argument('--drafters', default='paper')
+  b.add_argument('--mesh', default='1x1', help='DATAxMODEL, as recorded (1x8: v5e:2x4)')
+  b.add_argument('--context', type=int, default=1024)
+  b.add_argument('--tau', default='dflash=5.31,d2sd=7.05',
+                 help='method=tau pairs: the speed-up at these acceptance lengths')
   args = parser.parse_args()
+  if args.cmd == 'breakeven':
+    print_breakeven(args)
+    return
   if args.cmd == 'measure':
     target = loaders.load_target(args.target)
     d1cfg, d1, _ = load_drafter(args.drafter1, target)
@@ -90,13 +105,38 @@ def print_compiled(kept: dict, tau_pairs: str) -> None:
         f"{kept.get('toolchain', {}).get('libtpu') or 'not recorded'} "
         f"({os.path.relpath(RECORD)}: {kept['date']}, `{kept['command']}`)")
   for method, s in est.items():
-    print(f'  {method:8s} step {1e3 * s:9.3f} ms  {s / est["ar"]:5.2f} AR steps')
+    print(f'  {method:8s} step {1e3 * s:9.3f} ms  {s / est["ar"]:5.2f} AR steps' +
+          (f': beats AR where tau > {s / est["ar"]:.2f}' if method != 'ar' else ''))
   for pair in filter(None, tau_pairs.split(',')):
     method, tau = pair.split('=')
     if method in est:
       print(f'  {method}: tau {float(tau):.2f} over a cycle of {1e3 * est[method]:.3f} ms -> '
             f'predicted speed-up over AR '
             f'{throughput.tokens_per_s(float(tau), est[method]) * est["ar"]:.2f}x')
+
+
+def print_breakeven(args) -> None:
+  """The `breakeven` table: for every batch recorded for the chip, each method's cycle in AR
+  steps (the tau above which it beats AR) and its speed-up at --tau."""
+  chip = costmodel.CHIPS[args.chip].name
+  with open(RECORD) as f:
+    kept = json.load(f)
+  table = compiled.breakeven(kept, chip, args.target, args.drafters, args.mesh, args.context)
+  if not table:
+    raise SystemExit(f'no compiled {chip} figures for {args.target} with drafters '
+                     f'{args.drafters}, mesh {args.mesh}, context {args.context} in '
+                     f'{os.path.relpath(RECORD)}: python benchmarks/tpu_compile.py --topology ... '
+                     '--batch B --record compiles them')
+  taus = dict((m, float(t)) for m, t in (p.split('=') for p in filter(None, args.tau.split(','))))
+  print(f'{chip}, mesh {args.mesh}, {args.target}, drafters {args.drafters}, context '
+        f'{args.context} ({os.path.relpath(RECORD)}): a cycle in AR steps is the tau above '
+        'which the method beats AR')
+  for batch, row in table.items():
+    cells = []
+    for method, c in row.items():
+      tau = taus.get(compiled.method_of(method)[0])
+      cells.append(f'{method} {c:.2f}' + (f' ({tau / c:.2f}x at tau {tau:g})' if tau else ''))
+    print(f'  batch {batch:3d}: ' + ', '.join(cells))
 
 
 def candidate_specs(gen, d1cfg, d2cfg) -> list[SP.SpecSettings]:

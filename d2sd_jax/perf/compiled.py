@@ -274,6 +274,24 @@ def generation_settings(max_new_tokens: int) -> ar.GenerationSettings:
 TREE_BUDGET = 16  # nodes per cycle of the budgeted trees (ddtree, d2sd_tree), as reproduce.py
 
 
+def method_of(label: str) -> tuple[str, int]:
+  """A program's method label: 'd2sd_tree' (its budget TREE_BUDGET) or 'd2sd_tree:32' (a
+  budgeted tree at 32 nodes) -> (method, tree budget). A ValueError names what is wrong."""
+  method, _, budget = label.partition(':')
+  if method not in drafting.REGISTRY and method != 'ar':
+    raise ValueError(f'method {method!r}: choose ar or one of {sorted(drafting.REGISTRY)}')
+  if not budget:
+    return method, TREE_BUDGET
+  if not drafting.get(method).budgeted or not budget.isdigit() or int(budget) < 2:
+    raise ValueError(f'{label!r}: only a budgeted tree ({", ".join(budgeted_methods())}) takes '
+                     'a node budget, written METHOD:NODES (e.g. d2sd_tree:32)')
+  return method, int(budget)
+
+
+def budgeted_methods() -> list[str]:
+  return sorted(m for m, meth in drafting.REGISTRY.items() if meth.budgeted)
+
+
 def spec_settings(method: str, gen, dcfgs: dict, gamma: int = 16, n_branches: int = 4,
                   tree_budget: int = TREE_BUDGET):
   """The method's settings: the drafters' gamma (prompt lookup too, when there are drafters),
@@ -291,25 +309,26 @@ def decode_programs(tcfg, dcfgs: dict, methods, mesh, batch: int = 1, context: i
   get their state from the prefill when `compile_all` compiles them, in this order."""
   gen = generation_settings(max_new_tokens)
   out = []
-  for method in methods:
+  for label in methods:
+    method, budget = method_of(label)
     block, lens, keys = _batch_args(mesh, batch, context)
     if method == 'ar':
       params, settings, spec = target_params(tcfg, mesh), gen, None
       prefill, step, loop = ar.prefill, ar.decode_step, ar.decode_loop
       cache_size = -(-(context + max_new_tokens) // 64) * 64  # as decode.runner sizes it
     else:
-      spec = spec_settings(method, gen, dcfgs)
+      spec = spec_settings(method, gen, dcfgs, tree_budget=budget)
       params, settings = decoding_bundle(tcfg, dcfgs, spec.drafters, mesh), spec
       prefill, step, loop = SP.init_state, SP.spec_step, SP.spec_loop
       cache_size = SP.cache_size_needed(context, spec)
-    out.append(Program('prefill', method, prefill,
+    out.append(Program('prefill', label, prefill,
                        (params, tcfg, settings, block, lens, keys, cache_size), (1, 2, 6),
                        floor=floors('prefill', tcfg, dcfgs, spec, mesh, batch, context,
                                     cache_size)))
     step_floor = floors('step', tcfg, dcfgs, spec, mesh, batch, context)
     for name, fn in (('step', step), ('loop', loop))[:2 if loops else 1]:
       # (the state, argument 3, comes from the prefill: `compile_all`)
-      out.append(Program(name, method, fn, (params, tcfg, settings, None), (1, 2), (3,),
+      out.append(Program(name, label, fn, (params, tcfg, settings, None), (1, 2), (3,),
                          floor=step_floor))
   return out
 
@@ -605,7 +624,7 @@ def compile_all(programs: list[Program], chip: TpuChip, n_devices: int, log=prin
 
 def weights_bytes_per_device(tcfg, dcfgs: dict, methods, mesh) -> int:
   """The target and every drafter the methods use, as decoding holds them (prepared)."""
-  names = sorted({n for m in methods if m != 'ar' for n in drafting.get(m).drafters})
+  names = sorted({n for m in methods if m != 'ar' for n in drafting.get(method_of(m)[0]).drafters})
   bundle = decoding_bundle(tcfg, dcfgs, names, mesh)
   total = _tree_bytes(bundle['target'], sharding.TARGET_AXES, mesh)
   for name in names:
@@ -682,3 +701,22 @@ def step_estimates(result: dict) -> dict:
   """{method: estimated seconds of its step (AR step or cycle)} of a result."""
   return {p['method']: p['estimate_s'] for p in result['programs']
           if p.get('compiled') and p['name'] == 'step'}
+
+
+def breakeven(kept: dict, chip: str, target: str, drafters: str = 'paper', mesh: str = '1x1',
+              context: int = 1024) -> dict:
+  """{batch: {method: its cycle in AR steps}} of every kept result (`record`) for this chip,
+  target, drafters, mesh ('DATAxMODEL') and context. A cycle of c AR steps commits τ tokens per
+  row where AR commits c: the method beats AR exactly where its τ exceeds c, at that batch.
+  As the batch grows, the AR step stays bound by the weights while a cycle's verification
+  reads more per row, so c rises and speculation stops paying where τ falls below it."""
+  out = {}
+  for result in kept.values():
+    shape = f"{result['mesh']['data']}x{result['mesh']['model']}"
+    if (result['chip'], result['target'], result['drafters'], shape, result['context']) != (
+        chip, target, drafters, mesh, context):
+      continue
+    est = step_estimates(result)
+    if 'ar' in est:
+      out[result['batch']] = {m: s / est['ar'] for m, s in est.items() if m != 'ar'}
+  return dict(sorted(out.items()))

@@ -409,6 +409,46 @@ def test_budgeted_trees_compile_at_the_measured_budget():
   assert C.spec_settings('d2sd', gen, dcfgs).tree_size == 8 + 4 * 7  # chain + K branches
 
 
+def test_a_budgeted_tree_compiles_at_the_budget_its_label_names():
+  """'d2sd_tree:32' is d2sd_tree verifying 32 nodes, its programs labelled so (one table
+  can hold a tree at two budgets); a budget on a method without one, or a method that does not
+  exist, is refused by name."""
+  devices = jax.devices('cpu')[:1]
+  mesh = C.mesh_of(devices, 'data=1,model=1')
+  dcfgs = {'drafter1': LEAN_DRAFTER, 'drafter2': LEAN_DRAFTER}
+  programs = C.decode_programs(LEAN, dcfgs, ['d2sd_tree', 'd2sd_tree:32', 'ddtree:8'], mesh,
+                               context=64, max_new_tokens=32, loops=False)
+  sizes = {p.method: p.args[2].tree_size for p in programs if p.name == 'step'}
+  assert sizes == {'d2sd_tree': C.TREE_BUDGET, 'd2sd_tree:32': 32, 'ddtree:8': 8}
+  assert C.method_of('ar') == ('ar', C.TREE_BUDGET)
+  with pytest.raises(ValueError, match=r"'dflash:8': only a budgeted tree \(d2sd_tree, ddtree\)"):
+    C.method_of('dflash:8')
+  with pytest.raises(ValueError, match="method 'eagle': choose ar or one of"):
+    C.method_of('eagle')
+
+
+def test_breakeven_is_each_batchs_cycle_in_ar_steps_on_one_chip_mesh_and_drafters():
+  """compiled.breakeven: for the chip, target, drafters, mesh and context asked, each kept
+  batch's cycles over its own AR step (the τ above which a method beats AR there); records of
+  another mesh, drafters or context, and a batch without an AR step, are left out."""
+  def result(batch, est, mesh=(1, 1), drafters='paper', context=1024):
+    return {'chip': 'TPU v5p', 'target': 'qwen3-8b', 'drafters': drafters, 'batch': batch,
+            'context': context, 'mesh': {'data': mesh[0], 'model': mesh[1]},
+            'programs': [{'method': m, 'name': 'step', 'compiled': True, 'estimate_s': s}
+                         for m, s in est.items()] +
+                        [{'method': 'ar', 'name': 'prefill', 'compiled': True, 'estimate_s': 9}]}
+  kept = {'a': result(8, {'ar': 2.0, 'dflash': 3.0, 'd2sd_tree:32': 9.0}),
+          'b': result(1, {'ar': 1.0, 'dflash': 1.25, 'd2sd_tree:32': 2.0}),
+          'c': result(1, {'ar': 1.0, 'dflash': 7.0}, mesh=(1, 8)),
+          'd': result(1, {'ar': 1.0, 'dflash': 7.0}, drafters='x'),
+          'e': result(1, {'ar': 1.0, 'dflash': 7.0}, context=256),
+          'f': result(32, {'dflash': 3.0})}
+  assert C.breakeven(kept, 'TPU v5p', 'qwen3-8b') == {
+      1: {'dflash': 1.25, 'd2sd_tree:32': 2.0}, 8: {'dflash': 1.5, 'd2sd_tree:32': 4.5}}
+  assert list(C.breakeven(kept, 'TPU v5p', 'qwen3-8b', mesh='1x8')) == [1]
+  assert C.breakeven(kept, 'TPU v5e', 'qwen3-8b') == {}
+
+
 def test_speedups_at_the_paper_tau_only_for_its_gamma_and_a_train_header_without_decode():
   """tpu_compile.py quotes speed-ups at the paper's tau (gamma-16 drafters) for gamma-16 drafters
   only; with --train alone (no decode method) its header names no drafters nor context."""
