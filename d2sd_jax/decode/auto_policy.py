@@ -13,7 +13,9 @@ policy owns the remembered record (`auto_record.Record`) and saves it. Its loop:
 3. `observe`, after every batch: the record learns what the batch measured
    (`Record.learn`), and when another candidate now predicts more tokens/s the next batch
    decodes with it, with a line saying so, when it predicts SWITCH_MARGIN times more tokens/s
-   than the one decoding (one prompt's difficulty is noise, not a ranking). Exploration is
+   than the one decoding (one prompt's difficulty is noise, not a ranking). The record keeps
+   the choice so moved, so the next request starts from it: a request of one prompt does not
+   undo the margin. Exploration is
    bounded: only the timed candidates, then whichever the measurements rank first by that
    margin, decode.
 
@@ -98,15 +100,14 @@ class Policy:
       self.parts[-1]['prompts'] += prompts
     else:
       self.parts.append({'choice': self.label, 'prompts': prompts})
-    self.record.learn(measured, batch, label=self.label)  # (the one that decoded it)
+    # (the batch teaches the one that decoded it; the record's choice moves only by the margin)
+    self.record.learn(measured, batch, label=self.label, margin=SWITCH_MARGIN)
     self.record.save(self.path)
     best, table = self.record.auto_choice, self.record.auto_candidates
     if best == self.label or not more:
       return
     # (a record not timed yet predicts in tokens per AR step only: its choice is followed)
     now, then = (table[k].get('predicted_tokens_per_s') for k in (self.label, best))
-    if now is not None and then is not None and then < SWITCH_MARGIN * now:
-      return
     said = lambda rate: 'an untimed rate' if rate is None else f'{rate:.2f} tokens/s'
     decoded = sum(p['prompts'] for p in self.parts)
     self.log(f'auto: after {decoded} prompts, {self.label} now predicts {said(now)} and {best} '

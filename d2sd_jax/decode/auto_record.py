@@ -124,7 +124,8 @@ class Record:
     return 'ar' in self.auto_candidates and self.measured.get('ar', {}).get(
         'decode_steps', 0) < MIN_PROBE_CYCLES
 
-  def learn(self, measured: dict, batch: int, label: str | None = None) -> Record:
+  def learn(self, measured: dict, batch: int, label: str | None = None,
+            margin: float = 1.0) -> Record:
     """After a decode (or one batch of a request) chosen from a prior: what it measured of the
     chosen candidate, or of `label` (`measured`: decode_tokens, cycles, decode_s, decode_steps;
     with prompt_ids and completion_ids, what prompt lookup would take on them) is added to
@@ -152,8 +153,11 @@ class Record:
       so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends
       on how much the request repeats itself, which no prior knows.
 
-    The choice becomes whichever now predicts fastest. A probed record (measured on the
-    request's own prompts already) is left as it is. Returns self."""
+    The choice becomes whichever now predicts fastest, if it predicts at least `margin` times
+    the tokens/s of the choice so far (auto_policy.SWITCH_MARGIN after a decoded batch: the
+    record is what the next batch and the next request start from, so a choice that a batch
+    moved by less than the margin stays, within a request and across requests alike). A probed
+    record (measured on the request's own prompts already) is left as it is. Returns self."""
     if not self.learns:
       return self
     table = self.auto_candidates
@@ -211,7 +215,10 @@ class Record:
       row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                  predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch),
                                               2))
-    self.auto_choice = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+    best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+    rate = lambda k: table[k]['predicted_tokens_per_s']
+    if rate(best) >= margin * rate(self.auto_choice):
+      self.auto_choice = best
     self.predicted_tokens_per_s = table[self.auto_choice]['predicted_tokens_per_s']
     self.source, self.prompt_scale = 'prior+measured', round(scale, 4)
     return self

@@ -80,9 +80,12 @@ def test_a_batch_measured_slower_moves_the_next_batch_and_says_so(tmp_path):
   policy.observe(batch(60, 20, 1.0), prompts=1, batch=1, more=True)
   assert policy.label == 'd2sd_tree(N=8)' and not lines
   # then τ 1.0: (20 + 60/2) / (20 + 20/2) = 1.67 at 50 ms, 33.3 tokens/s: AR's 34 is the best
-  # prediction now, but within SWITCH_MARGIN of it (one prompt's noise): d2sd_tree goes on
+  # prediction now, but within SWITCH_MARGIN of it (one prompt's noise): d2sd_tree goes on,
+  # and stays the record's choice, where the next request would start
   policy.observe(batch(20, 20, 1.0), prompts=1, batch=1, more=True)
-  assert policy.record.auto_choice == 'ar' and policy.label == 'd2sd_tree(N=8)' and not lines
+  table = policy.record.auto_candidates
+  assert max(table, key=lambda k: table[k]['predicted_tokens_per_s']) == 'ar'
+  assert policy.record.auto_choice == policy.label == 'd2sd_tree(N=8)' and not lines
   # then τ 0.5 a cycle (a row that finished early): (10 + 25) / (20 + 15) = 1 at 50 ms, 20/s
   policy.observe(batch(10, 20, 1.0), prompts=1, batch=1, more=True)
   assert policy.label == 'ar' and policy.options.method == 'ar'
