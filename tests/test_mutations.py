@@ -40,12 +40,12 @@ MUTATIONS = {
     # The target cache takes the tree's first K/V in node order, not the accepted path's:
     # only visible when a path through a branch is accepted.
     'compaction in node order': (
-        SP, 'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, acc.path_BxC)',
-        'cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, '
-        'jnp.broadcast_to(jnp.arange(acc.path_BxC.shape[1]), acc.path_BxC.shape))', 'oracle_tree'),
+        SP, 'path_kv=path_rows(v.new_kv, path_BxC,',
+        'path_kv=path_rows(v.new_kv, jnp.broadcast_to(jnp.arange(C), path_BxC.shape),',
+        'oracle_tree'),
     'drafter contexts not extended': (
-        SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats,',
-        'draft_caches = draft_caches or (params, settings, draft_caches, path_feats,',
+        SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches, out.path_features,',
+        'draft_caches = draft_caches or (params, settings, draft_caches, out.path_features,',
         'oracle_tree'),
     # EOS honoured only when it is the bonus token, not inside the accepted drafts.
     'ignore EOS inside a cycle': (

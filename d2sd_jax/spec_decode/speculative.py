@@ -392,13 +392,11 @@ def committed_tokens(gen: ar.GenerationSettings, state: SpecState, path_tokens_B
   return new_BxC, n_commit_B, first_eos_B < n_commit_B
 
 
-def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, path_BxC):
-  """The cache with the accepted path's K/V (node indices path_BxC into the verified tree's
-  new K/V) at consecutive slots cache_len + depth. Only the path's C nodes are read and
-  written (not the tree's T), and the write depends on acceptance, so it follows every read of
-  the old cache and XLA updates the cache in place."""
+def path_rows(new_kv: model_lib.Cache, path_BxC, hd: int) -> model_lib.Cache:
+  """The accepted path's K/V per layer, [B, Hkv, C, hd] (node indices path_BxC into the
+  verified tree's new K/V, whose layout may be [B, T, Hkv * hd]): only the path's C nodes
+  are read, not the tree's T."""
   B, C = path_BxC.shape
-  hd = cache[0]['k'].shape[-1]
 
   def moved(new_BxTx_):  # the path's rows (token-major), then heads-major
     if B == 1:  # C row slices: XLA's cost model charges a gather its whole operand
@@ -408,46 +406,97 @@ def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, 
       at = path_BxC.reshape(B, C, *(1,) * (new_BxTx_.ndim - 2))
       rows = jnp.take_along_axis(new_BxTx_, at, axis=1, mode='clip')
     return rows.reshape(B, C, -1, hd).transpose(0, 2, 1, 3)
-  return [{'k': model_lib.write_rows(kv['k'], moved(new['k']), cache_len_B),
-           'v': model_lib.write_rows(kv['v'], moved(new['v']), cache_len_B)}
-          for kv, new in zip(cache, new_kv)]
+  return [{'k': moved(new['k']), 'v': moved(new['v'])} for new in new_kv]
 
 
-def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
-           acc: Accepted) -> SpecState:
+def write_path(cache: model_lib.Cache, rows: model_lib.Cache, cache_len_B) -> model_lib.Cache:
+  """The cache with the path's K/V (`path_rows`) at consecutive slots cache_len + depth. The
+  write depends on acceptance, so it follows every read of the old cache and XLA updates the
+  cache in place."""
+  return [{'k': model_lib.write_rows(kv['k'], new['k'], cache_len_B),
+           'v': model_lib.write_rows(kv['v'], new['v'], cache_len_B)}
+          for kv, new in zip(cache, rows)]
+
+
+def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, path_BxC):
+  """The cache with the accepted path's K/V at consecutive slots cache_len + depth."""
+  return write_path(cache, path_rows(new_kv, path_BxC, cache[0]['k'].shape[-1]), cache_len_B)
+
+
+@flax.struct.dataclass
+class Outcome:
+  """What a verified cycle commits, in shapes that do not depend on the tree's size (the path
+  padded to max_commit nodes), so that an adaptive cycle's branches all return one and the
+  caches are written once, outside them."""
+  acc: Accepted  # path_BxC: [B, max_commit]
+  path_tokens_BxC: jax.Array
+  path_kv: model_lib.Cache  # the path's target K/V per layer, [B, Hkv, max_commit, hd]
+  path_features: jax.Array | None  # [B, max_commit, Lf, D]: the drafters' new context
+  path_positions_BxC: jax.Array
+  tree_size: jax.Array  # nodes verified (a scalar)
+  expected_B: jax.Array  # the tree's expected drafts (tree.expected_drafts)
+  tally: jax.Array | None  # node_tally, when settings.tally_nodes
+
+
+def outcome(settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
+            acc: Accepted) -> Outcome:
+  """Everything `commit` needs from the verified tree: the accepted path's tokens, K/V,
+  features and positions, gathered here so that the tree's own shapes stop at this point."""
+  C = settings.max_commit
+  pad = C - acc.path_BxC.shape[1]  # a tree of fewer nodes than a path can hold (adaptive)
+  path_BxC = jnp.pad(acc.path_BxC, ((0, 0), (0, pad)))  # padding: past the accepted length
+  acc = acc.replace(path_BxC=path_BxC)
+  take = lambda x_BxT: jnp.take_along_axis(x_BxT, path_BxC, 1)
+  features = None
+  if settings.drafters:
+    features = jnp.take_along_axis(v.features, path_BxC[:, :, None, None], axis=1)
+  tally = None
+  if settings.tally_nodes:
+    tally = tree_lib.node_tally(tree, v.depth_BxT, path_BxC, acc.accept_len_B, settings.gamma)
+  return Outcome(acc=acc, path_tokens_BxC=take(tree.tokens_BxT),
+                 path_kv=path_rows(v.new_kv, path_BxC, state.cache[0]['k'].shape[-1]), path_features=features,
+                 path_positions_BxC=take(v.positions_BxT),
+                 tree_size=jnp.asarray(tree.size, jnp.int32),
+                 expected_B=tree_lib.expected_drafts(tree), tally=tally)
+
+
+def commit_outcome(params, settings: SpecSettings, state: SpecState, out: Outcome) -> SpecState:
   """Appends the committed tokens and brings every cache to exactly the committed tokens: the
-  target's by compaction, the drafters' by writing the accepted path's target features."""
+  target's by writing the accepted path's K/V, the drafters' by writing its target features."""
   gen = settings.generation
+  acc = out.acc
   rows = jnp.arange(state.seq_BxL.shape[0])
   live_B = ~state.done_B
-  path_tokens_BxC = jnp.take_along_axis(tree.tokens_BxT, acc.path_BxC, 1)
-  new_BxC, n_commit_B, hit_eos_B = committed_tokens(gen, state, path_tokens_BxC, acc)
+  new_BxC, n_commit_B, hit_eos_B = committed_tokens(gen, state, out.path_tokens_BxC, acc)
   j = jnp.arange(new_BxC.shape[1])[None]
   seq = state.seq_BxL.at[rows[:, None], state.seq_len_B[:, None] + j].set(
       jnp.where(j < n_commit_B[:, None], new_BxC, gen.pad_id), mode='drop')
   # Slots past the committed ones may keep stale K/V: attention never reads beyond cache_len.
-  cache = compact_cache(state.cache, v.new_kv, state.cache_len_B, acc.path_BxC)
+  cache = write_path(state.cache, out.path_kv, state.cache_len_B)
   draft_caches = state.draft_caches
   if settings.drafters:
-    path_feats = jnp.take_along_axis(v.features, acc.path_BxC[:, :, None, None], axis=1)
-    path_pos = jnp.take_along_axis(v.positions_BxT, acc.path_BxC, axis=1)
-    draft_caches = _write_drafter_context(params, settings, draft_caches, path_feats, path_pos,
-                                          state.cache_len_B)
+    draft_caches = _write_drafter_context(params, settings, draft_caches, out.path_features,
+                                          out.path_positions_BxC, state.cache_len_B)
   num_out = state.num_out_B + n_commit_B
   done = state.done_B | (live_B & (hit_eos_B | (num_out >= state.max_new_B)))
   hist = state.accepted_hist_BxC.at[rows, acc.accept_len_B].add(live_B)
   tally = state.node_tally
   if tally is not None:
-    tally = tally + jnp.where(live_B[:, None, None, None, None], tree_lib.node_tally(
-        tree, v.depth_BxT, acc.path_BxC, acc.accept_len_B, settings.gamma), 0.0)
+    tally = tally + jnp.where(live_B[:, None, None, None, None], out.tally, 0.0)
   return state.replace(node_tally=tally, cache=cache, cache_len_B=state.cache_len_B + n_commit_B,
                        seq_BxL=seq, seq_len_B=state.seq_len_B + n_commit_B, num_out_B=num_out,
                        done_B=done, cycles_B=state.cycles_B + live_B,
                        accepted_hist_BxC=hist, steps=state.steps + 1,
-                       verified_nodes_B=state.verified_nodes_B + live_B * tree.size,
-                       expected_B=state.expected_B + jnp.where(
-                           live_B, tree_lib.expected_drafts(tree), 0.0),
+                       verified_nodes_B=state.verified_nodes_B + live_B * out.tree_size,
+                       expected_B=state.expected_B + jnp.where(live_B, out.expected_B, 0.0),
                        draft_caches=draft_caches)
+
+
+def commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Verified,
+           acc: Accepted) -> SpecState:
+  """The cycle's commit from its verified tree and accepted path (`outcome`, then
+  `commit_outcome`)."""
+  return commit_outcome(params, settings, state, outcome(settings, state, tree, v, acc))
 
 
 def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree,
@@ -471,20 +520,23 @@ def adaptive_choice(settings: SpecSettings, state: SpecState, tree: tree_lib.Tre
 
 def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
               state: SpecState) -> SpecState:
-  """One cycle, top to bottom (adaptive: verify the first n nodes, n chosen by
-  adaptive_choice, in the one branch of a lax.switch that runs)."""
+  """One cycle, top to bottom (adaptive: verify and accept the first n nodes, n chosen by
+  adaptive_choice, in the one branch of a lax.switch that runs; then commit)."""
   _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
   tree = draft(params, cfg, settings, state)
 
-  def cycle(tree):
+  def decided(tree):  # verify and accept: what to commit, in shapes shared by every size
     verified = verify(params, cfg, settings, state, tree)
-    accepted = accept(settings, tree, verified, accept_key_B)
-    return commit(params, settings, state, tree, verified, accepted)
+    return outcome(settings, state, tree, verified,
+                   accept(settings, tree, verified, accept_key_B))
   if not settings.adaptive:
-    return cycle(tree)
-  return jax.lax.switch(adaptive_choice(settings, state, tree),
-                        [functools.partial(lambda n: cycle(tree_lib.prefix(tree, n)), n)
-                         for n, _ in settings.node_costs])
+    return commit_outcome(params, settings, state, decided(tree))
+  # Only the verification differs between sizes; the caches are written once, after the
+  # switch, so that no branch carries (and XLA need not copy) the decoding state.
+  out = jax.lax.switch(adaptive_choice(settings, state, tree),
+                       [functools.partial(lambda n: decided(tree_lib.prefix(tree, n)), n)
+                        for n, _ in settings.node_costs])
+  return commit_outcome(params, settings, state, out)
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
