@@ -44,8 +44,8 @@ MUTATIONS = {
         'path_kv=path_rows(v.new_kv, jnp.broadcast_to(jnp.arange(C), path_BxC.shape),',
         'oracle_tree'),
     'drafter contexts not extended': (
-        SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches, out.path_features,',
-        'draft_caches = draft_caches or (params, settings, draft_caches, out.path_features,',
+        SP, 'draft_caches = _write_drafter_context(params, settings, draft_caches,',
+        'draft_caches = draft_caches or (params, settings, draft_caches,',
         'oracle_tree'),
     # EOS honoured only when it is the bonus token, not inside the accepted drafts.
     'ignore EOS inside a cycle': (

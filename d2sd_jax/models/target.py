@@ -432,7 +432,7 @@ def layer(cfg: ModelConfig, x_BxTxD, lp, kv, positions_BxT, ctx_mask, tree_mask_
   new_kv_only: return the new tokens' K/V ({'k', 'v'} in the cache's dtype, token by token:
   [B, T, Hkv, hd], or [B, T, Hkv·hd] where a TPU program may take the kernels) in place of
   the cache, which is only read (a verified tree: the accepted path's K/V are written once
-  acceptance is known, `speculative.compact_cache`).
+  acceptance is known, `speculative.path_rows`, `write_path`).
 
   Decoding (prefix lengths, a few rows: `fused.fits`) in a program compiled for a TPU takes
   the layer's Pallas form, `_layer_kernels`, the same law; everything else the XLA form.

@@ -230,7 +230,7 @@ CACHE_MULTIPLE = 16  # cache slots are a multiple of this (see cache_size_needed
 
 def cache_size_needed(prompt_len: int, settings: SpecSettings) -> int:
   """Cache slots: every committed token + one cycle's commit slots written after the last
-  (verification only reads the cache; `compact_cache` writes the accepted path's C slots),
+  (verification only reads the cache; `write_path` writes the accepted path's C slots),
   rounded up to a multiple of CACHE_MULTIPLE. The TPU compiler tiles a cache [B, Hkv, S, hd]
   by (8 or 16, 128) over its two minor dimensions: with S a multiple of the tile it keeps that
   layout, else it stored the cache slots-major (S = 1,356, not a multiple of 16) and converted
@@ -337,7 +337,7 @@ def verified_nodes(batch: int, nodes: int) -> int:
 
 def verify(params, cfg, settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
   """Every node in one target pass after the committed context (shared prefixes once). The
-  cache is only read: `commit` writes the accepted path's K/V (`compact_cache`). The pass runs
+  cache is only read: `commit` writes the accepted path's K/V (`write_path`). The pass runs
   `verified_nodes` nodes: the tree, then invalid leaves under the anchor (`tree.pad`), whose
   logits are not computed."""
   B, T = tree.tokens_BxT.shape
@@ -418,11 +418,6 @@ def write_path(cache: model_lib.Cache, rows: model_lib.Cache, cache_len_B) -> mo
           for kv, new in zip(cache, rows)]
 
 
-def compact_cache(cache: model_lib.Cache, new_kv: model_lib.Cache, cache_len_B, path_BxC):
-  """The cache with the accepted path's K/V at consecutive slots cache_len + depth."""
-  return write_path(cache, path_rows(new_kv, path_BxC, cache[0]['k'].shape[-1]), cache_len_B)
-
-
 @flax.struct.dataclass
 class Outcome:
   """What a verified cycle commits, in shapes that do not depend on the tree's size (the path
@@ -454,7 +449,8 @@ def outcome(settings: SpecSettings, state: SpecState, tree: tree_lib.Tree, v: Ve
   if settings.tally_nodes:
     tally = tree_lib.node_tally(tree, v.depth_BxT, path_BxC, acc.accept_len_B, settings.gamma)
   return Outcome(acc=acc, path_tokens_BxC=take(tree.tokens_BxT),
-                 path_kv=path_rows(v.new_kv, path_BxC, state.cache[0]['k'].shape[-1]), path_features=features,
+                 path_kv=path_rows(v.new_kv, path_BxC, state.cache[0]['k'].shape[-1]),
+                 path_features=features,
                  path_positions_BxC=take(v.positions_BxT),
                  tree_size=jnp.asarray(tree.size, jnp.int32),
                  expected_B=tree_lib.expected_drafts(tree), tally=tally)

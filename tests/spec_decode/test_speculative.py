@@ -303,10 +303,10 @@ def test_d2sd_on_smollm2_with_shipped_drafters_equals_reference_greedy(smollm2, 
 @pytest.mark.parametrize('layout', ['heads', 'flat'])
 @pytest.mark.parametrize('B', [1, 3])
 def test_compaction_writes_the_accepted_path_after_each_rows_length(B, layout):
-  """compact_cache puts node path[b, c]'s K/V at slot len[b] + c of row b and leaves every other
-  slot alone, from token-major K/V laid out [B, T, Hkv, hd] (XLA) or [B, T, Hkv·hd] (the TPU
-  kernels); one row (its slices) and several (a gather) alike. A path read in node order, or
-  one row's path used for all, differs."""
+  """path_rows then write_path put node path[b, c]'s K/V at slot len[b] + c of row b and
+  leave every other slot alone, from token-major K/V laid out [B, T, Hkv, hd] (XLA) or
+  [B, T, Hkv·hd] (the TPU kernels); one row (its slices) and several (a gather) alike. A path
+  read in node order, or one row's path used for all, differs."""
   Hkv, S, T, hd, C = 2, 40, 9, 4, 5
   ks = jax.random.split(jax.random.key(0), 4)
   cache = [{'k': jax.random.normal(ks[0], (B, Hkv, S, hd)),
@@ -318,7 +318,7 @@ def test_compaction_writes_the_accepted_path_after_each_rows_length(B, layout):
   rng = np.random.default_rng(B)
   path = np.stack([rng.choice(T, C, replace=False) for _ in range(B)]).astype(np.int32)
   lens = np.array([3, 17, 30][:B], np.int32)
-  got = SP.compact_cache(cache, [new], jnp.asarray(lens), jnp.asarray(path))[0]
+  got = SP.write_path(cache, SP.path_rows([new], jnp.asarray(path), hd), jnp.asarray(lens))[0]
   for name in ('k', 'v'):
     want = np.array(cache[0][name])
     for b in range(B):
