@@ -21,7 +21,8 @@ features, exactly as at decode time, and we count agreement with what the target
     l+1 and over all masked positions;
   * the recovery table (d2sd_jax/train/recovery.py): where drafter 1's chain is first rejected,
     and for each cut depth the tokens a branch re-drafted there by drafter 1 or drafter 2 adds
-    from the true cut, under redraft='exclude' and 'merge', and how often the K selected cuts
+    from the true cut, under redraft='exclude' and 'merge' and with a second pass that sees
+    the forced first token ('twopass'), and how often the K selected cuts
     include it; overall and by context length (tokens before the anchor).
 One JSON line per result; the last line is a summary. --out keeps the set's results (with the
 command, date and machine) in a JSON file of all sets.
@@ -178,7 +179,7 @@ def recovery_plot(table: dict, names, path: str, title: str) -> None:
   ax.set_ylabel('share of cycles')
   right = ax.twinx()
   for name in names:
-    for rule, style in (('exclude', '-'), ('merge', ':')):
+    for rule, style in (('exclude', '-'), ('merge', ':'), ('twopass', '--')):
       right.plot(x, [c[f'{name}_{rule}'] for c in cuts], style, marker='o',
                  label=f'{name} re-draft, {rule}')
   right.set_ylabel('tokens the branch adds at the true cut')

@@ -3,7 +3,7 @@ target and any prompts file.
 
   python benchmarks/spec_decode.py [--prompts 20] [--new_tokens 128] [--methods pld]
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
-      [--redraft exclude|merge]
+      [--redraft exclude|merge] [--branch_passes P]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
       [--records data/distill-packages] [--no-stage_times]
 
@@ -152,6 +152,8 @@ def main():
   parser.add_argument('--tree_budget', type=int, default=0)
   parser.add_argument('--redraft', default='exclude', help="'exclude' or 'merge'")
   parser.add_argument('--steps', type=int, default=1, help='denoising passes per block')
+  parser.add_argument('--branch_passes', type=int, default=1,
+                      help='re-drafting passes per branch (spec.branch_passes)')
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--target', default='smollm2')
   parser.add_argument('--dtype', default='float32')
@@ -209,7 +211,7 @@ def main():
                drafter2=knobs.pop('drafter2', args.drafter2),
                stage_times=args.stage_times and method not in ('ar', 'auto'))
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
-                    redraft=args.redraft, steps=args.steps)
+                    redraft=args.redraft, steps=args.steps, branch_passes=args.branch_passes)
       c.spec.update(knobs)
       env = {}
       if method == 'auto' and not args.warm_auto:  # fresh choice and cost caches

@@ -65,8 +65,8 @@ MUTATIONS = {
         drafting, 'log_r = log_prefix + jnp.log1p(-c)',
         'log_r = jnp.cumsum(jnp.log(c), 1) + jnp.log1p(-jnp.roll(c, -1, 1))', 'branch_points'),
     'branches may repeat the chain token': (
-        drafting, 'None if merge else jnp.where(first_BxKxG, chain_BxG[:, None], -1)', 'None',
-        'reachable'),
+        drafting, 'jnp.where(k == cut_BxK[..., None] + 1, chain_BxG[:, None], -1) if forbid',
+        'None if forbid', 'reachable'),
     'merged twins kept': (
         drafting, 'keep_BxK[:, k] & ~jnp.any(twin, axis=1)', 'keep_BxK[:, k]', 'merged_cuts'),
     'bonus drawn from p, not the residual': (

@@ -30,7 +30,7 @@ does not divide is counted whole, as it is stored):
             over every row of the head) + B embedding rows + the target KV over `context`
             tokens (2 · L · B · Hkv · context · hd · cache itemsize);
   cycle     the AR step's floor with T embedding rows per row instead of 1 (verification), plus,
-            per drafter pass of the method (drafting.Method.drafter_passes: dflash one, d2sd two,
+            per drafter pass of the method (drafting.drafter_passes: dflash one, d2sd two,
             dflash_dflash drafter 1 twice): the drafter's layers, final norm and mask
             embedding, its head (head_rows [n, D], or the target's whole head) and its context KV
             over `context` tokens; plus, per drafter, what the commit reads to write the
@@ -444,7 +444,7 @@ def floors(program: str, tcfg, dcfgs: dict, spec, mesh, batch: int, context: int
                                                  cache_size, dcfg.head_dim, lcfg.cache_dtype,
                                                  mesh)
       continue
-    passes = drafting.get(spec.method).drafter_passes.count(name)
+    passes = drafting.drafter_passes(spec).count(name)
     layer_weights = _tree_bytes(prepared, DA, mesh, lambda n: n not in context_weights + (
         'head_rows', 'head_ids'))
     head_bytes = (_tree_bytes({'head_rows': prepared['head_rows']}, DA, mesh)

@@ -142,8 +142,10 @@ class CycleCosts:
 
 
 def draft_key(spec: SP.SpecSettings) -> str:
-  """What a draft's cost depends on: the method, the block, K and the denoising steps."""
-  return f'{spec.method}:G={spec.gamma}:K={spec.n_branches}:steps={spec.steps}'
+  """What a draft's cost depends on: the method, the block, K, the denoising steps and the
+  branches' re-drafting passes (named only beyond one)."""
+  passes = f':passes={spec.branch_passes}' if spec.branch_passes > 1 else ''
+  return f'{spec.method}:G={spec.gamma}:K={spec.n_branches}:steps={spec.steps}{passes}'
 
 
 def cycle_key(spec: SP.SpecSettings) -> str:
@@ -326,7 +328,7 @@ def predict(tcfg: model_lib.ModelConfig, chip: Chip, specs: list[SP.SpecSettings
     # Each drafter pass reads its weights, its rows of the target's LM head (all of them, or
     # the head_vocab rows decoding gathers once) and its context K/V.
     nbytes = 0
-    for name in drafting.get(spec.method).drafter_passes:
+    for name in drafting.drafter_passes(spec):
       dcfg = getattr(spec, name)
       head = ((dcfg.head_vocab or tcfg.vocab_size) * tcfg.d_model *
               jnp.dtype(tcfg.dtype).itemsize)

@@ -38,6 +38,9 @@ class Method:
   # The drafter passes of one draft, in order (a drafter's branches go through it together);
   # None: one pass of each drafter it reads. The cost model prices a draft by them.
   passes: tuple[str, ...] | None = None
+  # The drafter that re-drafts its branches from the chain's cuts ('' for none): each of
+  # settings.branch_passes beyond the first is one more pass of it.
+  redrafter: str = ''
   # Its tree is the best tree_budget nodes of a scored pool (any budget >= 2 is meaningful).
   budgeted: bool = False
   # The configurations method='auto' weighs: (registered name, gamma) -> [(label, knobs)], the
@@ -48,6 +51,14 @@ class Method:
   @property
   def drafter_passes(self) -> tuple[str, ...]:
     return self.drafters if self.passes is None else self.passes
+
+
+def drafter_passes(settings) -> tuple[str, ...]:
+  """The drafter passes of one of `settings`' drafts: its method's, and one more of its
+  re-drafter for each of settings.branch_passes beyond the first."""
+  method = get(settings.method)
+  extra = (method.redrafter,) * (settings.branch_passes - 1) if method.redrafter else ()
+  return method.drafter_passes + extra
 
 
 def _chain_and_branches(settings) -> int:
@@ -183,10 +194,37 @@ def _chain_and_cuts(params, cfg, settings, state):
   return chain_BxG, probs_BxGxV, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG
 
 
+def redrafts(params, cfg, settings, state, name: str, chain_BxG, cut_BxK, forbid: bool = True):
+  """Drafter `name`'s branches [B, K, G] and their confidences [B, K, G] from the K cuts: the
+  anchor and the chain up to each cut given, the rest drafted. forbid: the chain's token is
+  excluded at each branch's first re-drafted position.
+
+  With settings.branch_passes = P > 1, passes 2..P each see one more re-drafted token (pass 2
+  the first pass's first token) and draft the rest again: a single pass leaves the positions
+  after a branch's first token unconditioned on it, and with the chain's token excluded there
+  they mostly continue the rejected token instead (benchmarks/drafter_quality.py, 'twopass')."""
+  G = settings.gamma
+  k = jnp.arange(G)[None, None]
+  given_BxKxG = k <= cut_BxK[..., None]
+  forbid_BxKxG = (jnp.where(k == cut_BxK[..., None] + 1, chain_BxG[:, None], -1) if forbid
+                  else None)
+  branch_BxKxG, conf_BxKxG, _ = _denoise(params, cfg, settings, state, name,
+                                         jnp.where(given_BxKxG, chain_BxG[:, None], 0),
+                                         ~given_BxKxG, forbid_BxKxG)
+  for p in range(1, settings.branch_passes):
+    given_BxKxG = k <= cut_BxK[..., None] + p
+    again_BxKxG, conf_again_BxKxG, _ = _denoise(params, cfg, settings, state, name,
+                                                jnp.where(given_BxKxG, branch_BxKxG, 0),
+                                                ~given_BxKxG)
+    branch_BxKxG = jnp.where(given_BxKxG, branch_BxKxG, again_BxKxG)
+    conf_BxKxG = jnp.where(given_BxKxG, conf_BxKxG, conf_again_BxKxG)
+  return branch_BxKxG, conf_BxKxG
+
+
 def _chain_and_redrafts(params, cfg, settings, state, name: str):
   """Drafter 1's chain [B, G], the K cuts [B, K], the branches [B, K, G] re-drafted by drafter
-  `name` from its likely rejection points (argmax drafts: point masses) and which branches are
-  kept [B, K].
+  `name` from its likely rejection points (argmax drafts: point masses; `redrafts`) and which
+  branches are kept [B, K].
 
   A re-drafted token equal to the chain's at the branch's first position would repeat a chain
   node: sample-and-match could never enter the branch although it is verified. settings.redraft
@@ -195,12 +233,10 @@ def _chain_and_redrafts(params, cfg, settings, state, name: str):
     'merge'    the branch is drafted freely, and while it agrees with the chain it IS the chain:
                its cut moves down to where it first differs (fewer nodes), and it is dropped if
                it never differs or if an earlier branch hangs the same token at that cut."""
-  chain_BxG, _, cut_BxK, prefix_BxKxG, keep_BxKxG, first_BxKxG = _chain_and_cuts(
-      params, cfg, settings, state)
+  chain_BxG, _, cut_BxK, _, _, _ = _chain_and_cuts(params, cfg, settings, state)
   merge = settings.redraft == 'merge'
-  forbid_BxKxG = None if merge else jnp.where(first_BxKxG, chain_BxG[:, None], -1)
-  branch_BxKxG, _, _ = _denoise(params, cfg, settings, state, name, prefix_BxKxG, ~keep_BxKxG,
-                                forbid_BxKxG)
+  branch_BxKxG, _ = redrafts(params, cfg, settings, state, name, chain_BxG, cut_BxK,
+                             forbid=not merge)
   keep_BxK = jnp.ones_like(cut_BxK, bool)
   if merge:
     cut_BxK, keep_BxK = merged_cuts(chain_BxG, branch_BxKxG)
@@ -346,12 +382,8 @@ def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
   c_path = jnp.broadcast_to(chain_BxG[:, None, 1:], (B, G - 1, G - 1))
   # Drafter 2: branches from the likely rejection points, the chain's token excluded there.
   cut_BxK = branch_points(conf_BxG, K)
-  k = jnp.arange(G)[None, None]
-  keep_BxKxG = k <= cut_BxK[..., None]
-  prefix_BxKxG = jnp.where(keep_BxKxG, chain_BxG[:, None], 0)
-  forbid_BxKxG = jnp.where(k == cut_BxK[..., None] + 1, chain_BxG[:, None], -1)
-  branch_BxKxG, conf2_BxKxG, _ = _denoise(params, cfg, settings, state, 'drafter2', prefix_BxKxG,
-                                          ~keep_BxKxG, forbid_BxKxG)
+  branch_BxKxG, conf2_BxKxG = redrafts(params, cfg, settings, state, 'drafter2', chain_BxG,
+                                       cut_BxK)
   at_cut = lambda x_BxN: jnp.take_along_axis(
       jnp.pad(x_BxN, ((0, 0), (1, 0))), cut_BxK, 1)  # x at depth cut (0 at the anchor)
   reject_next = jnp.log1p(-jnp.minimum(jnp.exp(jnp.take_along_axis(
@@ -441,14 +473,17 @@ register('dflash', Method(dflash, drafters=('drafter1',)))
 register('dflash_resample', Method(dflash_resample, ('drafter1',), _chain_and_branches,
                                    branched=True, auto=None))
 register('dflash_dflash', Method(dflash_dflash, ('drafter1',), _chain_and_branches, branched=True,
-                                 passes=('drafter1', 'drafter1'), auto=None))
+                                 passes=('drafter1', 'drafter1'), redrafter='drafter1',
+                                 auto=None))
 register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, branched=True,
-                        auto=_auto_branches((1, 2, 4))))
+                        redrafter='drafter2', auto=_auto_branches((1, 2, 4))))
 register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True,
                           auto=_auto_budgets(branches=False)))
 register('d2sd_tree', Method(d2sd_tree, ('drafter1', 'drafter2'), _budget, branched=True,
-                             budgeted=True, auto=_auto_budgets(branches=True)))
+                             redrafter='drafter2', budgeted=True,
+                             auto=_auto_budgets(branches=True)))
 # the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
                             lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True,
+                            redrafter='drafter2',
                             auto=_auto_branches((1, 4))))

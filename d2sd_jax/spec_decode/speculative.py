@@ -50,6 +50,9 @@ class SpecSettings:
   tree_budget: int = 0  # nodes verified per cycle incl. the anchor (0 = every candidate)
   leniency: float = 0.0  # λ: verify against (1-λ)p + λq (0 = lossless; > 0 trades fidelity)
   redraft: str = 'exclude'  # a re-draft starting with the chain's token: 'exclude' or 'merge'
+  # Re-drafting passes per branch: passes 2..P each see one more re-drafted token and draft the
+  # rest again (drafting.redrafts): the continuation conditioned on the branch's first token.
+  branch_passes: int = 1
   # d2sd_tree: prompt lookup's per-token acceptance rate after a match of n = 1, 2, ... tokens
   # (the last entry for longer ones): its nodes' estimated probability is a^depth.
   lookup_accept: tuple[float, ...] = (0.4, 0.674, 0.936)  # python scripts/lookup_rates.py
@@ -109,6 +112,13 @@ class SpecSettings:
       raise ValueError(f"redraft={self.redraft!r}: use 'exclude' (forbid the chain's token at a "
                        "branch's first position) or 'merge' (a branch follows the chain while "
                        'it agrees)')
+    if not 1 <= self.branch_passes <= self.gamma - 1:
+      raise ValueError(f'branch_passes={self.branch_passes} must be in 1..gamma-1='
+                       f'{self.gamma - 1} (re-drafting passes per branch)')
+    if self.branch_passes > 1 and not method.redrafter:
+      raise ValueError(f'branch_passes={self.branch_passes}: method {self.method!r} re-drafts '
+                       'no branches (use dflash_dflash, d2sd, d2sd_tree or d2sd_pld, or '
+                       'branch_passes=1)')
     if not 0.0 <= self.leniency <= 1.0:
       raise ValueError(f'leniency={self.leniency} must be in [0, 1] (0 = lossless)')
     if not self.lookup_accept or not all(0.0 < a < 1.0 for a in self.lookup_accept):

@@ -46,7 +46,11 @@ def at_chain_cuts(blocks, chain, tparams, tcfg, feats, tokens, label_mask, label
   is forbidden at the first re-drafted position (decoding's redraft='exclude'), and a block
   whose chain is accepted whole (no branch needed) carries no loss. These are the only blocks
   whose re-draft can add tokens at decode time: a branch cut earlier re-drafts a token the
-  chain had right, one cut later keeps a wrong one."""
+  chain had right, one cut later keeps a wrong one.
+
+  loss.second_pass = f: a fraction f of the blocks (where one fits) start one token later, the
+  true token after the cut given and nothing forbidden: the block a branch's second pass
+  drafts (spec.branch_passes=2) once its first re-drafted token is right."""
   anchors, _, weights, _, _ = blocks
   cdcfg, cparams = chain
   G = cdcfg.gamma
@@ -54,11 +58,17 @@ def at_chain_cuts(blocks, chain, tparams, tcfg, feats, tokens, label_mask, label
                                             feats.astype(jnp.float32), tokens, label_mask,
                                             anchors, label_ids)
   prefix = jnp.minimum(cut_BxA, G - 2)
+  second = jnp.zeros_like(cut_BxA, bool)
+  if config.loss.get('second_pass', 0.0) > 0 and not evaluate:  # (held-out loss: at the cut)
+    second = (jax.random.uniform(jax.random.fold_in(key, 11), cut_BxA.shape) <
+              config.loss.second_pass) & (cut_BxA < G - 2)
+    prefix = prefix + second
   in_use = (jnp.sum(weights, -1) > 0) & (cut_BxA < G - 1)
   weights = losses.vp_weights(prefix.reshape(-1), G, config.loss.tau,
                               config.loss.get('block_norm', True)).reshape(weights.shape)
   weights = weights * in_use[..., None]
-  forbid = jnp.where(jnp.arange(G) == prefix[..., None] + 1, chain_token_BxA[..., None], -1)
+  forbid = jnp.where((jnp.arange(G) == prefix[..., None] + 1) & ~second[..., None],
+                     chain_token_BxA[..., None], -1)
   reveal = None
   if config.loss.get('reveal', 0.0) > 0 and not evaluate:
     reveal = losses.random_reveal(jax.random.fold_in(key, 7), weights.shape, prefix,

@@ -9,6 +9,9 @@ is drafted and we count the tokens its branch adds from the cut, under both of d
 for a first re-drafted token equal to the chain's (spec_decode/drafting.py):
   exclude  the chain's token is forbidden there: the re-drafter's next choice;
   merge    the branch is drafted freely; equal to the chain's (rejected) token, it adds nothing.
+  twopass  as exclude, then the positions after the forced token drafted again in a second pass
+           that sees it (spec.branch_passes=2): one pass leaves them unconditioned on it, and
+           they mostly continue the rejected token instead.
 Also whether i* is among the K cuts that r(i) = c_1..c_i (1 - c_{i+1}) selects (the branch is
 drafted at all), by cut depth and by context length.
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from d2sd_jax.train import losses
 
-RULES = ('exclude', 'merge')
+RULES = ('exclude', 'merge', 'twopass')
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
@@ -54,9 +57,19 @@ def selected_cuts(conf_G, n_branches: int) -> set:
   return set(np.argsort(-log_r, kind='stable')[:n_branches].tolist())
 
 
-def branch_gain(top2_GxK, chain_G, cut: int, labels_G, ok_G, rule: str) -> int:
-  """Tokens a branch cut at `cut` adds, its first re-drafted token chosen by `rule`."""
+def branch_gain(top2_GxK, chain_G, cut: int, labels_G, ok_G, rule: str,
+                second_GxK=None) -> int:
+  """Tokens a branch cut at `cut` adds, its first re-drafted token chosen by `rule`. twopass:
+  second_GxK is the re-drafter's block with one more label given (prefix cut + 1): when the
+  forced token is the label, that is exactly the block its second pass drafts."""
   first = top2_GxK[cut + 1]
+  if rule == 'twopass':
+    token = first[1] if first[0] == chain_G[cut + 1] else first[0]
+    if not (ok_G[cut + 1] and token == labels_G[cut + 1]):
+      return 0
+    if second_GxK is None:  # the forced token is the block's last position
+      return 1
+    return 1 + leading_matches(second_GxK[cut + 2:, 0], labels_G[cut + 2:], ok_G[cut + 2:])
   if rule == 'exclude':
     token = first[1] if first[0] == chain_G[cut + 1] else first[0]
   elif first[0] == chain_G[cut + 1]:  # merge: the branch repeats the rejected chain token
@@ -137,7 +150,8 @@ def measure(seqs, target, drafters: dict, features_fn, n_branches: int, buckets,
     cut = np.array([leading_matches(chain[a, 1:], labels[a, 1:], ok[a, 1:]) for a in range(n)])
     redrafts = {}
     for name, (dcfg, dparams) in drafters.items():
-      for i in sorted(set(cut[cut < G - 1].tolist())):
+      # (prefix i + 1: the twopass rule's second pass at cut i)
+      for i in sorted(set(cut[cut < G - 1].tolist()) | set((cut[cut < G - 2] + 1).tolist())):
         redrafts[name, i] = np.asarray(block_top2(dparams, dcfg, target.params, target.cfg,
                                                   feats, tok, anchors_1xA, i)[0])
     for a in range(n):
@@ -146,8 +160,10 @@ def measure(seqs, target, drafters: dict, features_fn, n_branches: int, buckets,
         tally.add(int(anchors[a]) + 1, i, False, {})
         continue
       covered = i in selected_cuts(chain_conf[a], n_branches)
-      gains = {(name, rule): branch_gain(redrafts[name, i][a], chain[a], i, labels[a], ok[a],
-                                         rule) for name in drafters for rule in RULES}
+      gains = {(name, rule): branch_gain(
+          redrafts[name, i][a], chain[a], i, labels[a], ok[a], rule,
+          redrafts[name, i + 1][a] if i < G - 2 else None)
+               for name in drafters for rule in RULES}
       tally.add(int(anchors[a]) + 1, i, covered, gains)
   return tally
 

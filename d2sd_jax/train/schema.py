@@ -112,6 +112,10 @@ class Loss:
   # rejection (the only cut where a branch can add tokens), its rejected token forbidden there
   # as decoding's redraft='exclude' forbids it; the prior above is then unused ('' = off)
   cuts_from: str = ''
+  # With cuts_from: the fraction of blocks placed one token past the chain's cut, the true
+  # token there given (no token forbidden): what a branch's second re-drafting pass drafts
+  # (spec.branch_passes=2) when its first token is right. 0 = every block at the cut.
+  second_pass: float = 0.0
   # Fraction of blocks partly unmasked (a ratio t ~ U(0,1) of the positions after the prefix
   # shown, no loss on them), so multi-step denoising (spec.steps > 1) has learnt what its later
   # passes see; 0 = every block fully masked after its prefix, as the shipped drafters trained.
@@ -174,6 +178,11 @@ def validate(config) -> None:
   prior = config.loss.get('prefix_prior', '')
   if prior and prior != losses.REFERENCE_PRIOR:
     losses.parse_prior(prior, config.drafter.gamma)
+  if not 0.0 <= config.loss.get('second_pass', 0.0) <= 1.0:
+    raise ValueError(f'loss.second_pass={config.loss.second_pass} must be a fraction in [0, 1]')
+  if config.loss.get('second_pass', 0.0) and not config.loss.get('cuts_from', ''):
+    raise ValueError('loss.second_pass places blocks past the chain\'s cuts: set '
+                     'loss.cuts_from=<drafter 1> too')
   if config.loss.get('cuts_from', '') and config.kind != 'drafter2':
     raise ValueError(f'loss.cuts_from={config.loss.cuts_from!r} places drafter 2\'s blocks; '
                      f'kind={config.kind!r} trains from the anchor alone: set '

@@ -227,7 +227,9 @@ def drafter_logits_reference(tiny, bundle, spec, state, b):
   'chain'), the K cuts by enumerating r(i) = c_1..c_i (1 - c_{i+1}) in numpy, each branch
   re-drafted by drafter 2 alone from [anchor, chain[1..i], MASK...] with the chain's token at
   i+1 excluded ('branches': (cut, tokens, calibrated confidences)), and prompt lookup's proposal
-  ('lookup': tokens, valid, matched length; drafting.lookup, checked by the pld tests)."""
+  ('lookup': tokens, valid, matched length; drafting.lookup, checked by the pld tests). With
+  spec.branch_passes = P, branch pass p (2..P) re-drafts, from the branch's first p - 1
+  re-drafted tokens given, the positions after them."""
   cfg, params = tiny
   G_ = spec.gamma
   n = int(state.cache_len_B[b])
@@ -251,13 +253,21 @@ def drafter_logits_reference(tiny, bundle, spec, state, b):
   r = [np.prod(conf[:i]) * (1 - conf[i]) for i in range(G_ - 1)]
   cuts = sorted(range(G_ - 1), key=lambda i: -r[i])[:spec.n_branches]
   branches = []
+  t2 = spec.drafter2.confidence_temperature
   for i in cuts:
     lg2 = logits_of('drafter2', chain[:i + 1] + [0] * (G_ - 1 - i),
                     [False] * (i + 1) + [True] * (G_ - 1 - i))
     lg2[i + 1, chain[i + 1]] = -np.inf
-    conf2 = np.where(np.arange(G_) > i,
-                     np.exp(log_softmax(lg2 / spec.drafter2.confidence_temperature)).max(-1), 1.0)
-    branches.append((i, chain[:i + 1] + np.argmax(lg2[i + 1:], -1).tolist(), conf2))
+    conf2 = np.where(np.arange(G_) > i, np.exp(log_softmax(lg2 / t2)).max(-1), 1.0)
+    tokens = chain[:i + 1] + np.argmax(lg2[i + 1:], -1).tolist()
+    # spec.branch_passes: pass p sees the branch's first p re-drafted tokens, drafts the rest
+    for p in range(1, spec.branch_passes):
+      given = min(i + 1 + p, G_)
+      lg2 = logits_of('drafter2', tokens[:given] + [0] * (G_ - given),
+                      [False] * given + [True] * (G_ - given))
+      tokens = tokens[:given] + np.argmax(lg2[given:], -1).tolist()
+      conf2 = np.where(np.arange(G_) >= given, np.exp(log_softmax(lg2 / t2)).max(-1), conf2)
+    branches.append((i, tokens, conf2))
   draft, valid, matched = jax.jit(drafting.lookup, static_argnames=('settings',))(spec, state)
   return {'logp1': logp1, 'chain': chain, 'branches': branches,
           'lookup': (np.asarray(draft[b]).tolist(), np.asarray(valid[b]).tolist(),
@@ -288,13 +298,15 @@ def tree_branches(tree, b, gamma):
   return branches
 
 
-def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3):
+def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3, branch_passes=1):
   """After a few cycles on PROMPTS, D2SD's tree holds drafter 1's chain, branches at the top-K
-  r(i) cuts, and exactly what drafter 2 drafts alone from each branch prefix."""
+  r(i) cuts, and exactly what drafter 2 drafts alone from each branch prefix (and, with
+  branch_passes > 1, from each longer prefix its passes see). Returns the branches drafted."""
   cfg, _ = tiny
   spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=40, eos_ids=(), pad_id=0),
                          method='d2sd', gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG2,
-                         n_branches=3)
+                         n_branches=3, branch_passes=branch_passes)
+  drafted = []
   init, draft, _, _, _ = _stage_programs()
   step = jax.jit(SP.spec_step, static_argnames=('cfg', 'settings'))
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
@@ -307,7 +319,9 @@ def check_d2sd_tree_is_drafter2(tiny, bundle, cycles=3):
       got = tree_branches(tree, b, spec.gamma)
       assert [c_ for c_, _ in got] == [c_ for c_, _ in want[b]], (c, b, got, want[b])
       assert got == want[b], (c, b, got, want[b])
+      drafted.append(got)
     state = step(bundle, cfg, spec, state)
+  return drafted
 
 
 def check_branch_points():

@@ -39,6 +39,29 @@ def test_d2sd_tree_is_drafter2_at_the_top_r_cuts(tiny, trained):
   H.check_d2sd_tree_is_drafter2(tiny, trained)
 
 
+def test_a_second_branch_pass_drafts_from_the_forced_token(tiny, trained):
+  """spec.branch_passes=2: each branch is drafter 2's first re-drafted token, then what it
+  drafts with that token given (the reference re-drafts each longer prefix alone); and the
+  second pass changes some branch here, so the check compares two different programs."""
+  two = H.check_d2sd_tree_is_drafter2(tiny, trained, cycles=2, branch_passes=2)
+  one = H.check_d2sd_tree_is_drafter2(tiny, trained, cycles=2)
+  assert two != one
+  assert [[(c, b[:c + 2]) for c, b in row] for row in two] == [
+      [(c, b[:c + 2]) for c, b in row] for row in one]  # the first pass's first token stays
+
+
+def test_branch_passes_need_a_method_that_redrafts():
+  gen = AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+  with pytest.raises(ValueError, match='re-drafts no branches'):
+    SP.SpecSettings(gen, method='dflash', gamma=DCFG.gamma, drafter1=DCFG, branch_passes=2)
+  with pytest.raises(ValueError, match=f'branch_passes={DCFG.gamma} must be in 1..gamma-1'):
+    SP.SpecSettings(gen, method='d2sd', gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG,
+                    branch_passes=DCFG.gamma)
+  settings = SP.SpecSettings(gen, method='dflash_dflash', gamma=DCFG.gamma, drafter1=DCFG,
+                             branch_passes=3)
+  assert drafting.drafter_passes(settings) == ('drafter1',) * 4
+
+
 @pytest.mark.slow
 def test_every_verified_node_is_reachable(tiny, trained):
   H.check_every_verified_node_reachable(tiny, trained)

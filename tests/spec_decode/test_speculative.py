@@ -165,23 +165,27 @@ SLOW = pytest.mark.slow  # multi-step denoising, a node budget and merged re-dra
 
 # Every registered method at its defaults (a best-first tree at 8 nodes), so a method added with
 # drafting.register gets this check without an edit here; then the variants (slow tier).
-REGISTERED = [(m, 1, 8 if method.budgeted else 0, 'exclude') for m, method in
+REGISTERED = [(m, 1, 8 if method.budgeted else 0, 'exclude', 1) for m, method in
               drafting.REGISTRY.items()]
-VARIANTS = [pytest.param('dflash', 2, 0, 'exclude', marks=SLOW),
-            pytest.param('d2sd', 3, 11, 'exclude', marks=SLOW),
-            pytest.param('d2sd', 1, 0, 'merge', marks=SLOW),
-            pytest.param('d2sd_pld', 1, 0, 'merge', marks=SLOW)]
+VARIANTS = [pytest.param('dflash', 2, 0, 'exclude', 1, marks=SLOW),
+            pytest.param('d2sd', 3, 11, 'exclude', 1, marks=SLOW),
+            pytest.param('d2sd', 1, 0, 'merge', 1, marks=SLOW),
+            pytest.param('d2sd_pld', 1, 0, 'merge', 1, marks=SLOW),
+            # branches re-drafted in more passes (spec.branch_passes)
+            pytest.param('d2sd', 1, 0, 'exclude', 2, marks=SLOW),
+            pytest.param('d2sd_tree', 1, 8, 'exclude', 2, marks=SLOW),
+            pytest.param('dflash_dflash', 1, 0, 'merge', 3, marks=SLOW)]
 
 
-@pytest.mark.parametrize('method,steps,budget,redraft', REGISTERED + VARIANTS)
-def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft):
+@pytest.mark.parametrize('method,steps,budget,redraft,passes', REGISTERED + VARIANTS)
+def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft, passes):
   """Output = AR greedy, every cache = a fresh prefill after every cycle, drafts accepted (for
   D2SD also on drafter 2's branches). The bundle is prepared as decoding.SpecRunner prepares it
   (drafter heads and key/value rows gathered once); the other tests use the plain one."""
   cfg, params = tiny
   spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
-                         steps=steps, tree_budget=budget, redraft=redraft)
+                         steps=steps, tree_budget=budget, redraft=redraft, branch_passes=passes)
   bundle = SP.prepare(trained, cfg)
   assert 'wkv' in bundle['drafter1']['layers'][0] and 'wkv' not in trained['drafter1']['layers'][0]
   outs, counts = H.run_cycles(cfg, bundle, spec, PROMPTS)

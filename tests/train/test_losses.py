@@ -10,7 +10,7 @@ import pytest
 
 from d2sd_jax.models import drafter as D
 from d2sd_jax.models import target as M
-from d2sd_jax.train import blocks, losses, training
+from d2sd_jax.train import blocks, losses, schema, training
 from tests.models import test_drafter
 from tests.train import test_training
 
@@ -179,6 +179,51 @@ def test_blocks_at_chain_cuts_take_the_cut_as_prefix_and_drop_accepted_chains(se
       k = int(prefix[b, a]) + 1
       assert row[k] == token[b, a] and (np.delete(row, k) == -1).all()
   assert reveal is None
+
+
+def test_second_pass_blocks_start_after_the_cut_with_the_true_token_given(setup, monkeypatch):
+  """loss.second_pass=1: every block whose cut leaves room starts one token later, nothing
+  forbidden there (the true token is given); a cut at gamma-2 stays; held-out blocks stay at
+  the cut."""
+  tcfg, tparams, dparams, seq, feats = setup
+  G = DCFG.gamma
+  cut = jnp.array([[0, 2, G - 2], [1, G - 1, 0]], jnp.int32)
+  token = jnp.array([[11, 12, 13], [14, 15, 16]], jnp.int32)
+  monkeypatch.setattr(losses, 'chain_cuts', lambda *a, **k: (cut, token))
+  c = test_training.tiny_config('unused', 'unused', 'unused', 'drafter2')
+  c.loss.update(tau=3.0, block_norm=False, second_pass=1.0)
+  anchors = jnp.array([[1, 5, 8], [2, 6, 9]], jnp.int32)
+  drawn = (anchors, None, jnp.ones((2, 3, G)), None, None)
+  call = lambda evaluate: blocks.at_chain_cuts(
+      drawn, (DCFG, dparams), tparams, tcfg, feats, seq, jnp.ones(seq.shape, bool), None, c,
+      jax.random.PRNGKey(0), evaluate)
+  _, prefix, weights, _, forbid = call(False)
+  shifted = np.array([[1, 1, 0], [1, 0, 1]], bool)
+  np.testing.assert_array_equal(prefix, np.minimum(cut, G - 2) + shifted)
+  raw = np.asarray(losses.vp_weights(jnp.asarray(prefix).reshape(-1), G, 3.0, False))
+  in_use = np.array([[1, 1, 1], [1, 0, 1]], bool)  # the chain accepted whole: no loss
+  np.testing.assert_allclose(weights, raw.reshape(2, 3, G) * in_use[..., None])
+  np.testing.assert_array_equal(np.asarray(forbid)[shifted], -1)
+  assert (np.asarray(forbid)[0, 2] == np.where(np.arange(G) == G - 1, 13, -1)).all()
+  _, prefix, _, _, forbid = call(True)
+  np.testing.assert_array_equal(prefix, np.minimum(cut, G - 2))
+  many = jnp.zeros((2, 600), jnp.int32)  # cut 0 at 1,200 blocks: about half shift
+  monkeypatch.setattr(losses, 'chain_cuts', lambda *a, **k: (many, many + 11))
+  c.loss.second_pass = 0.5
+  _, prefix, _, _, _ = blocks.at_chain_cuts(
+      (jnp.tile(anchors, (1, 200)), None, jnp.ones((2, 600, G)), None, None), (DCFG, dparams),
+      tparams, tcfg, feats, seq, jnp.ones(seq.shape, bool), None, c, jax.random.PRNGKey(0))
+  assert 0.44 < float(jnp.mean(prefix)) < 0.56
+
+
+def test_second_pass_needs_cuts_and_a_fraction():
+  c = test_training.tiny_config('unused', 'unused', 'unused', 'drafter2')
+  c.loss.second_pass = 0.5
+  with pytest.raises(ValueError, match='set loss.cuts_from'):
+    schema.validate(c)
+  c.loss.update(second_pass=1.5, cuts_from='d1')
+  with pytest.raises(ValueError, match=r'loss.second_pass=1.5 must be a fraction in \[0, 1\]'):
+    schema.validate(c)
 
 
 def test_cuts_from_is_refused_for_drafter_1_and_for_a_drafter_built_otherwise(

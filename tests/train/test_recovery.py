@@ -39,6 +39,24 @@ def test_a_branch_adds_its_leading_matches_and_merge_adds_nothing_on_the_rejecte
   assert recovery.branch_gain(top2, chain, 1, labels, ok, 'exclude') == 0
 
 
+def test_twopass_continues_from_the_block_that_sees_the_forced_token():
+  chain = np.array([7, 1, 2, 3, 4])
+  labels = np.array([7, 1, 9, 8, 6])  # first rejected at cut 1
+  ok = np.ones(5, bool)
+  top2 = np.array([[0, 0], [0, 0], [2, 9], [3, 5], [4, 4]])  # one pass: continues the chain
+  second = np.array([[0, 0], [0, 0], [9, 9], [8, 3], [6, 1]])  # the pass that sees 9
+  assert recovery.branch_gain(top2, chain, 1, labels, ok, 'exclude') == 1  # 9, then 3 != 8
+  assert recovery.branch_gain(top2, chain, 1, labels, ok, 'twopass', second) == 3  # 9, 8, 6
+  top2[2] = [2, 5]  # the forced token is wrong: the second pass is never right
+  assert recovery.branch_gain(top2, chain, 1, labels, ok, 'twopass', second) == 0
+  top2[2] = [2, 9]
+  second[4] = [1, 6]  # the second pass's own drafts end the run
+  assert recovery.branch_gain(top2, chain, 1, labels, ok, 'twopass', second) == 2
+  # a cut whose forced token is the block's last position: that token alone
+  assert recovery.branch_gain(np.array([[0, 0]] * 4 + [[4, 6]]), chain, 3, labels, ok,
+                              'twopass', None) == 1
+
+
 def test_the_tally_counts_every_anchor_at_the_cut_training_finds(tiny):
   """Over a tiny target's sequences: one cycle per anchor, at the cut losses.chain_cuts (the
   training path) finds, every share summing to 1, gains bounded by the tokens left."""
@@ -83,6 +101,6 @@ def test_the_tally_counts_every_anchor_at_the_cut_training_finds(tiny):
   np.testing.assert_array_equal(tally.cycles[-1], want)
   assert want[2:].sum() >= 1  # the copied completion: a chain accepted past its first draft
   for entry in table['by_cut']:
-    for key in ('drafter1_exclude', 'drafter2_merge'):
+    for key in ('drafter1_exclude', 'drafter2_merge', 'drafter2_twopass'):
       assert 0 <= entry[key] <= DCFG.gamma - 1 - entry['cut']
   assert recovery.rejection_prior(tally).count(',') == DCFG.gamma - 2
