@@ -177,6 +177,12 @@ def test_floors_equal_a_hand_computation_from_the_shapes(data, model):
     want.update({f'{name} passes x1: layers': d_layers, f'{name} passes x1: head': head,
                  f'{name} passes x1: context KV': d_kv, f'{name} context write': d_context})
   assert cycle == want
+  # a second branch pass (spec.branch_passes=2) reads drafter 2 once more, drafter 1 as before
+  two = C.floors('step', t, {'drafter1': d, 'drafter2': d},
+                 dataclasses.replace(spec, branch_passes=2), mesh, B, ctx)
+  assert two['drafter2 passes x2: layers'] == 2 * d_layers
+  assert two['drafter2 passes x2: head'] == 2 * head
+  assert two['drafter1 passes x1: layers'] == d_layers
   if (data, model) == (1, 1):  # the figure: the d2sd cycle's floor is ~1.4 AR steps
     ratio = sum(cycle.values()) / sum(ar_step.values())
     assert 1.35 < ratio < 1.5, ratio

@@ -120,3 +120,21 @@ def test_roofline_draft_reads_only_the_drafters_head_rows():
   skipped = (tcfg.vocab_size - 8192) * tcfg.d_model * 2  # bfloat16 rows
   assert abs((draft[0] - draft[1]) - skipped / (chip.bandwidth * chip.bw_eff)) < 0.02 * (
       draft[0] - draft[1])
+
+
+def test_roofline_prices_each_branch_pass_as_one_more_drafter_pass():
+  """spec.branch_passes=2 is a cost key of its own, and at Qwen3-8B's shapes (memory-bound
+  drafter passes) it costs one more pass of drafter 2: as much as d2sd's one pass of drafter 2
+  adds to dflash's pass of drafter 1 (both the paper's drafter)."""
+  tcfg = costmodel.TARGETS['qwen3-8b']
+  chip = costmodel.CHIPS['h200']
+  gen = AR.GenerationSettings(max_new_tokens=8, eos_ids=(), pad_id=0)
+  d = costmodel.paper_drafter(tcfg)
+  dflash = SP.SpecSettings(gen, method='dflash', gamma=16, drafter1=d)
+  one = SP.SpecSettings(gen, method='d2sd', gamma=16, n_branches=4, drafter1=d, drafter2=d)
+  two = dataclasses.replace(one, branch_passes=2)
+  assert len({costmodel.draft_key(s) for s in (dflash, one, two)}) == 3
+  draft = costmodel.predict(tcfg, chip, [dflash, one, two], context=256, sizes=(16,)).draft
+  added = draft[costmodel.draft_key(two)] - draft[costmodel.draft_key(one)]
+  first = draft[costmodel.draft_key(one)] - draft[costmodel.draft_key(dflash)]
+  assert added > 0 and abs(added - first) < 0.05 * first, (added, first)
