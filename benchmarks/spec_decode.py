@@ -5,7 +5,7 @@ target and any prompts file.
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
       [--redraft exclude|merge] [--branch_passes P]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
-      [--records data/distill-packages] [--no-stage_times]
+      [--records data/distill-packages] [--no-stage_times] [--out FILE.json [--tag TAG]]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
 {"turns": [...]} as in its MT-Bench / HumanEval JSONL, ShareGPT, OpenAI messages), first turns;
@@ -32,7 +32,7 @@ loads drafter 1 as drafter 2). AR runs first and last; speed-ups are against the
 two. auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
 D2SD_COST_CACHE) unless --warm_auto. Best-first trees report expected_tau (their scores'
 prediction of tau). --out keeps the run (command, date, machine, every row) in a JSON file,
-keyed by prompt set.
+keyed by prompt set and kind (plain or chat), and --tag TAG beside the run of that key.
 """
 from __future__ import annotations
 
@@ -166,6 +166,8 @@ def main():
   parser.add_argument('--warm_auto', action='store_true',
                       help="auto keeps this machine's remembered choices and cost cache")
   parser.add_argument('--out', default='', help='keep the run in this JSON file')
+  parser.add_argument('--tag', default='', help='with --out: keep it as SET|KIND/TAG, beside '
+                      'other runs on the same prompts (default SET|KIND, replacing one)')
   parser.add_argument('--markdown', default='',
                       help='print the tables of this --out file (no decoding)')
   parser.add_argument('--write', action='store_true',
@@ -278,7 +280,8 @@ def main():
     summary['ar_last_tokens_per_s'] = last['decode_tokens_per_s']
     print(json.dumps({'summary': 'spec_decode', **summary}))
     if args.out:
-      keep(args.out, f"{summary['prompts_file']}|{'chat' if args.chat else 'plain'}", {
+      key = f"{summary['prompts_file']}|{'chat' if args.chat else 'plain'}"
+      keep(args.out, key + (f'/{args.tag}' if args.tag else ''), {
           'command': 'python ' + ' '.join(shlex.quote(a) for a in sys.argv),
           'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
           'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs',
