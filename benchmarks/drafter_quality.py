@@ -22,8 +22,8 @@ features, exactly as at decode time, and we count agreement with what the target
   * the recovery table (d2sd_jax/train/recovery.py): where drafter 1's chain is first rejected,
     and for each cut depth the tokens a branch re-drafted there by drafter 1 or drafter 2 adds
     from the true cut, under redraft='exclude' and 'merge' and with a second pass that sees
-    the forced first token ('twopass'), and how often the K selected cuts
-    include it; overall and by context length (tokens before the anchor).
+    the forced first token ('twopass'), and how often the K selected cuts include it; overall
+    and by context length (tokens before the anchor).
 One JSON line per result; the last line is a summary. --out keeps the set's results (with the
 command, date and machine) in a JSON file of all sets.
 """

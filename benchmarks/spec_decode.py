@@ -56,6 +56,7 @@ import smollm2 as smollm2_config  # pylint: disable=wrong-import-position
 
 from d2sd_jax import files  # pylint: disable=wrong-import-position
 from d2sd_jax.decode import generate as generate_lib  # pylint: disable=wrong-import-position
+from d2sd_jax.spec_decode import drafting  # pylint: disable=wrong-import-position
 from d2sd_jax.train import data as data_lib  # pylint: disable=wrong-import-position
 
 EVAL_FRACTION = 0.05  # configs/drafter*.py's data.eval_fraction
@@ -153,7 +154,8 @@ def main():
   parser.add_argument('--redraft', default='exclude', help="'exclude' or 'merge'")
   parser.add_argument('--steps', type=int, default=1, help='denoising passes per block')
   parser.add_argument('--branch_passes', type=int, default=1,
-                      help='re-drafting passes per branch (spec.branch_passes)')
+                      help='re-drafting passes per branch (spec.branch_passes) of the methods '
+                      'that re-draft branches')
   parser.add_argument('--chat', action='store_true', help='wrap prompts in the chat template')
   parser.add_argument('--target', default='smollm2')
   parser.add_argument('--dtype', default='float32')
@@ -213,7 +215,9 @@ def main():
                drafter2=knobs.pop('drafter2', args.drafter2),
                stage_times=args.stage_times and method not in ('ar', 'auto'))
       c.spec.update(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
-                    redraft=args.redraft, steps=args.steps, branch_passes=args.branch_passes)
+                    redraft=args.redraft, steps=args.steps)
+      if method in drafting.REGISTRY and drafting.REGISTRY[method].redrafter:
+        c.spec.branch_passes = args.branch_passes  # (the methods that re-draft branches)
       c.spec.update(knobs)
       env = {}
       if method == 'auto' and not args.warm_auto:  # fresh choice and cost caches
