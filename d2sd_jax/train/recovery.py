@@ -63,19 +63,14 @@ def branch_gain(top2_GxK, chain_G, cut: int, labels_G, ok_G, rule: str,
   second_GxK is the re-drafter's block with one more label given (prefix cut + 1): when the
   forced token is the label, that is exactly the block its second pass drafts."""
   first = top2_GxK[cut + 1]
-  if rule == 'twopass':
-    token = first[1] if first[0] == chain_G[cut + 1] else first[0]
-    if not (ok_G[cut + 1] and token == labels_G[cut + 1]):
-      return 0
-    if second_GxK is None:  # the forced token is the block's last position
-      return 1
-    return 1 + leading_matches(second_GxK[cut + 2:, 0], labels_G[cut + 2:], ok_G[cut + 2:])
-  if rule == 'exclude':
-    token = first[1] if first[0] == chain_G[cut + 1] else first[0]
-  elif first[0] == chain_G[cut + 1]:  # merge: the branch repeats the rejected chain token
+  if rule == 'merge' and first[0] == chain_G[cut + 1]:  # the branch repeats the rejected token
     return 0
-  else:
-    token = first[0]
+  token = first[1] if first[0] == chain_G[cut + 1] else first[0]  # exclude's (and twopass')
+  if rule == 'twopass':  # the continuation from the pass that sees the token (when it is right)
+    right = bool(ok_G[cut + 1] and token == labels_G[cut + 1])
+    if not right or second_GxK is None:  # (None: the token is the block's last position)
+      return int(right)
+    return 1 + leading_matches(second_GxK[cut + 2:, 0], labels_G[cut + 2:], ok_G[cut + 2:])
   draft = np.concatenate([[token], top2_GxK[cut + 2:, 0]])
   return leading_matches(draft, labels_G[cut + 1:], ok_G[cut + 1:])
 
