@@ -5,7 +5,8 @@ target and any prompts file.
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
       [--redraft exclude|merge] [--branch_passes P]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
-      [--records data/distill-packages] [--no-stage_times] [--out FILE.json [--tag TAG]]
+      [--records data/distill-packages] [--no-stage_times] [--rounds R]
+      [--out FILE.json [--tag TAG]]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
 {"turns": [...]} as in its MT-Bench / HumanEval JSONL, ShareGPT, OpenAI messages), first turns;
@@ -29,7 +30,9 @@ or with --chat as questions about what each does (benchmarks/drafter_quality.py'
 package_prompts). A method may carry knobs in parentheses, separated by ';' (spec fields, or
 drafter1= / drafter2= folders: 'd2sd_tree(tree_budget=16;drafter2=drafters/smollm2-drafter1)'
 loads drafter 1 as drafter 2). AR runs first and last; speed-ups are against the mean of the
-two. auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
+two. --rounds R repeats that R times, the methods in reverse order every other round, and
+reports each method's mean ms per token over the rounds (a shared CPU's speed drifts by tens of
+percent within a run; alternating the order makes the drift weigh on every method alike). auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
 D2SD_COST_CACHE) unless --warm_auto. Best-first trees report expected_tau (their scores'
 prediction of tau). --out keeps the run (command, date, machine, every row) in a JSON file,
 keyed by prompt set and kind (plain or chat), and --tag TAG beside the run of that key.
@@ -167,6 +170,9 @@ def main():
   parser.add_argument('--set', default='', help='package:NAME: documented functions of a package')
   parser.add_argument('--warm_auto', action='store_true',
                       help="auto keeps this machine's remembered choices and cost cache")
+  parser.add_argument('--rounds', type=int, default=1,
+                      help='run AR, the methods and AR again this many times, the methods in '
+                           'reverse order every other round; tokens/s are the rounds\' mean')
   parser.add_argument('--out', default='', help='keep the run in this JSON file')
   parser.add_argument('--tag', default='', help='with --out: keep it as SET|KIND/TAG, beside '
                       'other runs on the same prompts (default SET|KIND, replacing one)')
@@ -242,40 +248,63 @@ def main():
       print(json.dumps(row), flush=True)
       return row
 
-    ar_stats, ar_ids = run('ar')
-    rows = [ar_row(ar_stats)]
-    ar_ms = rows[0]['ms_per_token']
-    summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
-               'target': args.target, 'dtype': args.dtype,
-               'prompts_file': (args.set if args.set else
-                                f'held-out records of {args.records}' if args.records else
-                                args.prompts_file or 'HumanEval'),
-               'ar_tokens_per_s': ar_stats['decode_tokens_per_s']}
-    for label, method, knobs in methods:
-      stats, ids = run(method, knobs)
+    def method_row(label, stats, ids, ar_ids):
       same = sum(a == b for a, b in zip(ar_ids, ids))
       ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
       row = {'method': label, 'lossless': same == len(ar_ids),
              'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats.get('tau', 1.0),
              'ms_per_token': round(ms, 2), 'decode_tokens_per_s': stats['decode_tokens_per_s'],
-             'speedup_vs_ar': round(ar_ms / ms, 3), 'tree_size': stats.get('tree_size'),
+             'speedup_vs_ar': None, 'tree_size': stats.get('tree_size'),
              'stage_ms': stats.get('stage_ms'),
              'accepted_histogram': stats.get('accepted_histogram'),
              'prefill_s': stats['prefill_s'], 'expected_tau': stats.get('expected_tau'),
              'mean_tree_size': stats.get('mean_tree_size')}
+      if 'lookup_only_share' in stats:
+        row['lookup_only_share'] = stats['lookup_only_share']
       # method=auto: its choice, prediction and every candidate's figures
       for k in ('auto_choice', 'predicted_tokens_per_s', 'auto_source', 'auto_s',
                 'auto_candidates'):
         if k in stats:
           row[k] = stats[k]
       print(json.dumps(row), flush=True)
-      rows.append(row)
       if not row['lossless']:
         raise SystemExit(f'{label} changed {len(ar_ids) - same} completions: not lossless')
-    # AR again, last: the machine's drift over the run; speed-ups against the mean of the two
-    last = ar_row(run('ar')[0])
-    rows.append(dict(last, method='ar (last)'))
-    ar_ms = (rows[0]['ms_per_token'] + last['ms_per_token']) / 2
+      return row
+
+    # Round r runs AR, the methods, AR again; odd rounds take the methods in reverse order, so
+    # that a drift of the machine's speed over the run weighs on every method alike. A method's
+    # ms per token is its mean over the rounds (each round's in ms_per_token_rounds).
+    ar_stats, ar_ids = run('ar')
+    rounds = []
+    for r in range(args.rounds):
+      if r:
+        ar_stats = run('ar')[0]
+      first = ar_row(ar_stats)
+      order = methods if r % 2 == 0 else methods[::-1]
+      got = {label: method_row(label, *run(method, knobs), ar_ids)
+             for label, method, knobs in order}
+      last = ar_row(run('ar')[0])
+      rounds.append((first, got, last))
+    first, _, last = rounds[0]
+    summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
+               'target': args.target, 'dtype': args.dtype,
+               'prompts_file': (args.set if args.set else
+                                f'held-out records of {args.records}' if args.records else
+                                args.prompts_file or 'HumanEval'),
+               'ar_tokens_per_s': first['decode_tokens_per_s'], 'rounds': args.rounds}
+    mean = lambda xs: round(sum(xs) / len(xs), 2)
+    rows = [dict(first, ms_per_token=mean([f['ms_per_token'] for f, _, _ in rounds]))]
+    for label, _, _ in methods:
+      per_round = [got[label] for _, got, _ in rounds]
+      row = dict(per_round[0], ms_per_token=mean([g['ms_per_token'] for g in per_round]))
+      if args.rounds > 1:
+        row['ms_per_token_rounds'] = [g['ms_per_token'] for g in per_round]
+        row['decode_tokens_per_s'] = round(1e3 / row['ms_per_token'], 2)
+      rows.append(row)
+    rows.append(dict(last, method='ar (last)',
+                     ms_per_token=mean([l['ms_per_token'] for _, _, l in rounds])))
+    # speed-ups against AR's mean over every round's first and last runs
+    ar_ms = (rows[0]['ms_per_token'] + rows[-1]['ms_per_token']) / 2
     for row in rows:
       row['speedup_vs_ar'] = round(ar_ms / row['ms_per_token'], 3)
       if row['method'] not in ('ar', 'ar (last)'):

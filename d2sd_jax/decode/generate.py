@@ -114,6 +114,8 @@ def generate(target: loaders.Target, drafters: dict, prompts: str | list[str], o
     stats['node_tally'] = st['node_tally'].tolist()
   if options.method != 'ar' and st['cycles']:
     stats['mean_tree_size'] = round(st['nodes'] / st['cycles'], 3)  # (adaptive: as chosen)
+    if 'lookup_only' in st:  # spec.lookup_cycles: the share of cycles that verified lookup alone
+      stats['lookup_only_share'] = round(st['lookup_only'] / st['cycles'], 3)
   if options.method != 'ar':
     stats.update(gamma=runner.settings.gamma, tree_size=runner.settings.tree_size)
     if options.stage_times:  # three more programs to compile: only on request
@@ -163,11 +165,14 @@ def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict
   if fits:
     return made[min(fits)]
   bound = runner_lib.new_tokens_bound(options.max_new_tokens, block, limit)
-  if spec.get('adaptive') and not spec.get('node_costs'):
+  if spec.get('adaptive') and (not spec.get('node_costs') or (
+      spec.get('lookup_cycles', True) and drafting.get(options.method).lookup and
+      not spec.get('lookup_cost'))):
     # this machine's cycle cost at each shape the tree may choose (measured once, cached)
-    spec['node_costs'] = runner_lib.measured_node_costs(
+    measured = runner_lib.measured_adaptive_costs(
         target, drafters, options.method, spec, batch, block,
         log=lambda line: print(line, file=sys.stderr))
+    spec = {**spec, **{k: v for k, v in measured.items() if not spec.get(k)}}
   made[bound] = runner_lib.make_runner(
       target, dataclasses.replace(settings, max_new_tokens=bound), options.method, longest,
       limit, drafters, **spec)

@@ -12,6 +12,7 @@ from d2sd_jax.decode import options as options_lib
 from d2sd_jax.models import xla_options
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import ar
+from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import speculative as SP
 
 PROMPT_BUCKET = 64  # prompts are padded to a multiple of this, so few prefill programs compile
@@ -192,22 +193,33 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
 ADAPTIVE_SHAPES = (4, 8, 16, 32, 64)
 
 
-def measured_node_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
-                        context: int, log=print) -> tuple[tuple[int, float], ...]:
-  """SpecSettings.node_costs for an adaptive tree: for each shape of ADAPTIVE_SHAPES below its
-  budget, and the budget, the seconds of one cycle on this machine: the draft, then verifying
-  and accepting that many nodes (perf.costmodel.measure, cached in its cost cache)."""
+def measured_adaptive_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
+                            context: int, log=print) -> dict:
+  """The SpecSettings costs an adaptive tree chooses by, as measured on this machine
+  (perf.costmodel.measure, cached in its cost cache):
+    node_costs   for each shape of ADAPTIVE_SHAPES below its budget, and the budget, the seconds
+                 of one cycle: the draft, then verifying and accepting that many nodes;
+    lookup_cost  where the tree takes lookup-only cycles (SpecSettings.lookup_cycles): a cycle
+                 that verifies prompt lookup's gamma nodes alone (its draft, verification and
+                 acceptance)."""
   cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
   gen = ar.GenerationSettings(max_new_tokens=1, eos_ids=(), pad_id=0)
-  fixed = SP.SpecSettings(gen, method=method, **{**spec_fields, 'adaptive': False,
-                                                 'node_costs': ()}, **cfgs)
+  fixed = SP.SpecSettings(gen, method=method, **{
+      **spec_fields, 'adaptive': False, 'node_costs': (), 'lookup_cycles': False,
+      'lookup_cost': 0.0}, **cfgs)
+  lookup = SP.SpecSettings(gen, method='pld', gamma=fixed.gamma, ngram_max=fixed.ngram_max)
+  wants_lookup = spec_fields.get('lookup_cycles', True) and drafting.get(method).lookup
   sizes = sorted({n for n in ADAPTIVE_SHAPES if n < fixed.tree_size} | {fixed.tree_size})
   params = {'target': target.params, **{n: drafters[n][1] for n in cfgs}}
-  costs = costmodel.measure(params, target.cfg, [fixed], batch=batch, context=context,
-                            sizes=tuple(sorted({2, *sizes})), log=log)
-  draft = costs.draft[costmodel.draft_key(fixed)]
-  return tuple((n, round(draft + costs.at('verify', n) + costs.at('accept', n), 7))
-               for n in sizes)
+  costs = costmodel.measure(params, target.cfg, [fixed] + [lookup] * wants_lookup, batch=batch,
+                            context=context, sizes=tuple(sorted({2, fixed.gamma, *sizes})),
+                            log=log)
+  part = lambda spec, n: costs.draft[costmodel.draft_key(spec)] + costs.at(
+      'verify', n) + costs.at('accept', n)
+  out = {'node_costs': tuple((n, round(part(fixed, n), 7)) for n in sizes)}
+  if wants_lookup:
+    out['lookup_cost'] = round(part(lookup, fixed.gamma), 7)
+  return out
 
 
 def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size: int, seed: int,
@@ -247,6 +259,10 @@ def decode_prompts(runner: Runner, tok, prompt_ids: list[list[int]], batch_size:
         stats['hist'] = row_hist[i] if stats['hist'] is None else stats['hist'] + row_hist[i]
         stats['expected'] += float(row_expected[i])
         stats['nodes'] += int(row_nodes[i])
+    alone = getattr(state, 'lookup_only_B', None)  # SpecSettings.lookup_cycles: the real rows'
+    if alone is not None:
+      stats['lookup_only'] = stats.get('lookup_only', 0) + int(
+          np.asarray(jax.device_get(alone))[:len(rows)].sum())
     tally = getattr(state, 'node_tally', None)  # SpecSettings.tally_nodes: the real rows'
     if tally is not None:
       tally = np.asarray(jax.device_get(tally))[:len(rows)].sum(0)
@@ -264,4 +280,6 @@ def add_stats(a: dict, b: dict) -> dict:
       a['hist'] + b['hist'])
   if 'node_tally' in b:
     out['node_tally'] = b['node_tally'] + a.get('node_tally', 0)
+  if 'lookup_only' in a or 'lookup_only' in b:
+    out['lookup_only'] = a.get('lookup_only', 0) + b.get('lookup_only', 0)
   return out

@@ -43,6 +43,9 @@ class Method:
   redrafter: str = ''
   # Its tree is the best tree_budget nodes of a scored pool (any budget >= 2 is meaningful).
   budgeted: bool = False
+  # Its pool holds prompt lookup's proposal, scored as `lookup_scores` scores it: an adaptive
+  # cycle may then verify that proposal alone (`lookup_tree`, SpecSettings.lookup_cycles).
+  lookup: bool = False
   # The configurations method='auto' weighs: (registered name, gamma) -> [(label, knobs)], the
   # knobs beyond gamma (which every candidate gets); None: auto leaves the method out (the
   # paper's ablations). A method added with `register` is weighed at its defaults.
@@ -122,6 +125,36 @@ def lookup(settings, state):
   draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
   valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
   return draft, valid, matched_B
+
+
+def lookup_scores(settings, state):
+  """Prompt lookup's proposal with its nodes' log estimated probabilities of being reached and
+  accepted, d * log a at depth d, a = settings.lookup_accept[n - 1] after a match of n tokens
+  (-inf where nothing was proposed): (tokens [B, G-1], valid [B, G-1], scores [B, G-1])."""
+  draft, valid, matched_B = lookup(settings, state)
+  accept = jnp.asarray(settings.lookup_accept, jnp.float32)
+  log_a_B = jnp.log(accept[jnp.clip(matched_B - 1, 0, len(settings.lookup_accept) - 1)])
+  depth_N = jnp.arange(1, settings.gamma, dtype=jnp.int32)
+  score = jnp.where(valid & (matched_B[:, None] > 0), depth_N[None] * log_a_B[:, None], -jnp.inf)
+  return draft, valid, score
+
+
+def lookup_tree(settings, state) -> tree_lib.Tree:
+  """Prompt lookup's proposal alone, as a best-first tree of gamma nodes: its nodes scored as in
+  d2sd_tree's pool (`lookup_scores` through lookup's reliability curve, never rising along the
+  chain) and sourced 'lookup'. What an adaptive cycle verifies when the lookup's expected
+  tokens per second beat the drafted tree's (speculative.lookup_wins)."""
+  draft, valid, score = lookup_scores(settings, state)
+  B, N = score.shape
+  depth = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (B, N))
+  source = jnp.full((B, N), tree_lib.SOURCES.index('lookup'), jnp.int32)
+  score = jax.lax.cummin(tree_lib.calibrate(score, source, depth, settings.node_calibration),
+                         axis=1)
+  tree = tree_lib.chain(state.anchor_B, draft, valid)
+  score = jnp.where(tree.valid_BxT[:, 1:], score, -jnp.inf)
+  return tree.replace(
+      score_BxT=jnp.concatenate([jnp.zeros((B, 1), jnp.float32), score], 1),
+      source_BxT=jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), source], 1))
 
 
 def _context(settings, state, name):
@@ -393,11 +426,7 @@ def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
   r_score = jnp.where(depth_N[None, None] > cut_BxK[..., None], r_score, -jnp.inf)
   r_path = jnp.broadcast_to(branch_BxKxG[:, :, None, 1:], (B, K, G - 1, G - 1))
   # Prompt lookup.
-  l_draft, l_valid, matched_B = lookup(settings, state)
-  accept = jnp.asarray(settings.lookup_accept, jnp.float32)
-  log_a_B = jnp.log(accept[jnp.clip(matched_B - 1, 0, len(settings.lookup_accept) - 1)])
-  l_score = jnp.where(l_valid & (matched_B[:, None] > 0), depth_N[None] * log_a_B[:, None],
-                      -jnp.inf)
+  l_draft, l_valid, l_score = lookup_scores(settings, state)
   l_path = jnp.broadcast_to(l_draft[:, None], (B, G - 1, G - 1))
   # One pool, merged, and its best nodes.
   path = jnp.concatenate([c_path, b_path, r_path.reshape(B, K * (G - 1), G - 1), l_path], 1)
@@ -480,7 +509,7 @@ register('d2sd', Method(d2sd, ('drafter1', 'drafter2'), _chain_and_branches, bra
 register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True,
                           auto=_auto_budgets(branches=False)))
 register('d2sd_tree', Method(d2sd_tree, ('drafter1', 'drafter2'), _budget, branched=True,
-                             redrafter='drafter2', budgeted=True,
+                             redrafter='drafter2', budgeted=True, lookup=True,
                              auto=_auto_budgets(branches=True)))
 # the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),

@@ -65,6 +65,13 @@ class SpecSettings:
   # and what a cycle of each costs on this machine. decode.py and Decoder.generate measure them
   # (perf.costmodel.measure, cached) when left empty.
   node_costs: tuple[tuple[int, float], ...] = ()
+  # Adaptive trees whose pool holds prompt lookup's proposal (d2sd_tree): before drafting, a
+  # cycle verifies that proposal alone (gamma nodes, no drafter runs) when its expected tokens
+  # per second, at lookup_cost seconds a cycle, beat what the drafted trees have been giving
+  # (lookup_wins). decode.py and Decoder.generate measure lookup_cost with node_costs. Other
+  # methods, and trees that are not adaptive, ignore lookup_cycles.
+  lookup_cycles: bool = True
+  lookup_cost: float = 0.0
   # Best-first trees: count, per proposer, depth and bin of estimated probability, how many
   # verified nodes were accepted (SpecState.node_tally; scripts/calibrate_nodes.py reads it).
   tally_nodes: bool = False
@@ -135,6 +142,16 @@ class SpecSettings:
                          'leave it empty in decode.py or Decoder.generate to measure them')
     elif self.node_costs:
       raise ValueError('node_costs are the adaptive tree\'s: set adaptive=True or drop them')
+    if self.takes_lookup_cycles:
+      if not self.lookup_cost > 0:
+        raise ValueError(f'lookup_cost={self.lookup_cost} must be the positive seconds of a '
+                         'lookup-only cycle (or set lookup_cycles=False); leave it unset in '
+                         'decode.py or Decoder.generate to measure it')
+    elif self.lookup_cost:
+      raise ValueError(f'lookup_cost is the lookup-only cycle\'s, which method '
+                       f'{self.method!r} with adaptive={self.adaptive} and lookup_cycles='
+                       f'{self.lookup_cycles} never runs: drop it (lookup-only cycles are '
+                       'for adaptive trees whose pool holds prompt lookup: d2sd_tree)')
     if self.tally_nodes and not method.budgeted:
       raise ValueError(f'tally_nodes=True counts a best-first tree\'s scored nodes: method '
                        f'{self.method!r} scores none (use ddtree or d2sd_tree)')
@@ -145,6 +162,11 @@ class SpecSettings:
     elif self.tree_budget and self.tree_budget < self.gamma:
       raise ValueError(f'tree_budget={self.tree_budget} must be 0 (no limit) or >= gamma='
                        f'{self.gamma} (the drafter-1 chain always fits)')
+
+  @property
+  def takes_lookup_cycles(self) -> bool:
+    """Whether a cycle may verify prompt lookup's proposal alone (`lookup_cycles`)."""
+    return self.adaptive and self.lookup_cycles and drafting.get(self.method).lookup
 
   @property
   def drafters(self) -> tuple[str, ...]:
@@ -212,6 +234,10 @@ class SpecState:
   # settings.tally_nodes: [B, sources, gamma-1 depths, bins, 3] tree.node_tally summed over the
   # row's live cycles (None otherwise)
   node_tally: jax.Array | None = None
+  # settings.takes_lookup_cycles: [B] float32, a running mean of the expected tokens per second of the
+  # row's drafted (not lookup-only) cycles, inf before the first (None otherwise)
+  tree_rate_B: jax.Array | None = None
+  lookup_only_B: jax.Array | None = None  # int32 [B]: its live cycles that verified lookup alone
 
   @property
   def anchor_B(self):
@@ -294,7 +320,11 @@ def init_state(params, cfg: model_lib.ModelConfig, settings: SpecSettings, promp
                    verified_nodes_B=jnp.zeros((B,), jnp.int32), draft_caches=caches,
                    node_tally=jnp.zeros((B, len(tree_lib.SOURCES), settings.gamma - 1,
                                          len(tree_lib.TALLY_EDGES) - 1, 3), jnp.float32)
-                   if settings.tally_nodes else None)
+                   if settings.tally_nodes else None,
+                   tree_rate_B=jnp.full((B,), jnp.inf, jnp.float32)
+                   if settings.takes_lookup_cycles else None,
+                   lookup_only_B=jnp.zeros((B,), jnp.int32)
+                   if settings.takes_lookup_cycles else None)
 
 
 def prepare(params, cfg: model_lib.ModelConfig) -> dict:
@@ -515,34 +545,69 @@ def adaptive_choice(settings: SpecSettings, state: SpecState, tree: tree_lib.Tre
   """The index into settings.node_costs of the shape an adaptive cycle verifies: the most
   expected tokens per second, (live rows + their trees' expected drafts at n nodes) / cost(n).
   The tree is best first, so its first n nodes are its best tree of n, and their expected
-  drafts are a prefix sum of its scores."""
+  drafts are a prefix sum of its scores. Also returns each row's expected tokens per second at
+  the chosen shape ([B])."""
   live_B = ~state.done_B
   reach_BxT = jnp.cumsum(jnp.exp(tree.score_BxT[:, 1:]), axis=1)  # [:, n-2]: n nodes
   sizes = jnp.asarray([n for n, _ in settings.node_costs])
   costs = jnp.asarray([c for _, c in settings.node_costs], jnp.float32)
-  expected_S = jnp.sum(jnp.where(live_B[:, None], 1.0 + reach_BxT[:, sizes - 2], 0.0), axis=0)
-  return jnp.argmax(expected_S / costs).astype(jnp.int32)
+  rate_BxS = (1.0 + reach_BxT[:, sizes - 2]) / costs
+  choice = jnp.argmax(jnp.sum(jnp.where(live_B[:, None], rate_BxS, 0.0), axis=0))
+  return choice.astype(jnp.int32), rate_BxS[:, choice]
+
+
+RATE_MEMORY = 0.25  # weight of the newest drafted cycle in SpecState.tree_rate_B
+
+
+def lookup_wins(settings: SpecSettings, state: SpecState, lookup: tree_lib.Tree):
+  """Whether this cycle verifies prompt lookup's proposal alone (a scalar: the batch shares the
+  shape): the live rows' expected tokens per second from it, (1 + its expected drafts) /
+  lookup_cost, summed, against a drafted tree's. Those are not known before drafting, so each
+  row's is estimated as the larger of the rate its drafted cycles have been giving
+  (tree_rate_B; inf before the first, which is therefore drafted) and the lookup's own expected
+  tokens at the cost of the smallest shape that holds its gamma nodes: a drafted tree's pool
+  holds the lookup's proposal too."""
+  live_B = ~state.done_B
+  lookup_B = 1.0 + tree_lib.expected_drafts(lookup)
+  held = [c for n, c in settings.node_costs if n >= settings.gamma]
+  holding_cost = min(held) if held else max(c for _, c in settings.node_costs)
+  tree_B = jnp.maximum(state.tree_rate_B, lookup_B / holding_cost)
+  gain = jnp.where(live_B, lookup_B / settings.lookup_cost - tree_B, 0.0)
+  return jnp.sum(gain) > 0
 
 
 def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
               state: SpecState) -> SpecState:
   """One cycle, top to bottom (adaptive: verify and accept the first n nodes, n chosen by
-  adaptive_choice, in the one branch of a lax.switch that runs; then commit)."""
+  adaptive_choice, in the one branch of a lax.switch that runs; then commit. With
+  lookup_cycles, a lax.cond first chooses between that and verifying prompt lookup's proposal
+  alone, without drafting)."""
   _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
-  tree = draft(params, cfg, settings, state)
 
   def decided(tree):  # verify and accept: what to commit, in shapes shared by every size
     verified = verify(params, cfg, settings, state, tree)
     return outcome(settings, state, tree, verified,
                    accept(settings, tree, verified, accept_key_B))
-  if not settings.adaptive:
-    return commit_outcome(params, settings, state, decided(tree))
-  # Only the verification differs between sizes; the caches are written once, after the
-  # switch, so that no branch carries (and XLA need not copy) the decoding state.
-  out = jax.lax.switch(adaptive_choice(settings, state, tree),
-                       [functools.partial(lambda n: decided(tree_lib.prefix(tree, n)), n)
-                        for n, _ in settings.node_costs])
-  return commit_outcome(params, settings, state, out)
+
+  def drafted():  # the method's tree; adaptive: at the size adaptive_choice picks
+    tree = draft(params, cfg, settings, state)
+    if not settings.adaptive:
+      return decided(tree), None
+    # Only the verification differs between sizes; the caches are written once, after the
+    # switch, so that no branch carries (and XLA need not copy) the decoding state.
+    choice, rate_B = adaptive_choice(settings, state, tree)
+    return jax.lax.switch(choice, [functools.partial(lambda n: decided(tree_lib.prefix(tree, n)),
+                                                     n) for n, _ in settings.node_costs]), rate_B
+  if not settings.takes_lookup_cycles:
+    return commit_outcome(params, settings, state, drafted()[0])
+  lookup = drafting.lookup_tree(settings, state)
+  alone = lookup_wins(settings, state, lookup)
+  out, rate_B = jax.lax.cond(alone, lambda: (decided(lookup), state.tree_rate_B), drafted)
+  old = state.tree_rate_B
+  moved = jnp.where(jnp.isinf(old), rate_B, old + RATE_MEMORY * (rate_B - old))
+  return commit_outcome(params, settings, state.replace(
+      tree_rate_B=jnp.where(state.done_B, old, moved),
+      lookup_only_B=state.lookup_only_B + (alone & ~state.done_B)), out)
 
 
 def spec_loop(params, cfg: model_lib.ModelConfig, settings: SpecSettings,

@@ -42,6 +42,30 @@ def test_decoder_generates_losslessly_and_round_trips(tiny_folder, tiny_drafters
   assert again.generate(prompts, 12, chat=True).ids == dec.generate(prompts, 12, chat=True).ids
 
 
+@pytest.mark.slow
+def test_adaptive_tree_measures_its_costs_with_the_lookup_cycle(tiny_folder, tiny_drafters,
+                                                                cost_cache):
+  """generate(adaptive=True) on d2sd_tree measures the shapes' cycle costs and the lookup-only
+  cycle's (one cost-cache file, a pld draft in it), decodes AR's tokens, and reports the share
+  of lookup-only cycles; with lookup_cycles=False it measures no lookup and reports none."""
+  import json  # pylint: disable=import-outside-toplevel
+  dec = d2sd_jax.load(tiny_folder, **tiny_drafters)
+  prompts = ['abcabcabcabc', 'hello hello hello', 'xyz']
+  ar = dec.generate(prompts, 16, chat=False, method='ar')
+  out = dec.generate(prompts, 16, chat=False, method='d2sd_tree', tree_budget=8, adaptive=True)
+  assert out.ids == ar.ids
+  assert 0.0 <= out.stats['lookup_only_share'] <= 1.0
+  files = sorted(cost_cache.glob('*.json'))
+  assert len(files) == 1
+  drafts = json.loads(files[0].read_text())['draft']
+  assert any(k.startswith('pld:') for k in drafts) and any(k.startswith('d2sd_tree:')
+                                                           for k in drafts), drafts
+  off = dec.generate(prompts, 16, chat=False, method='d2sd_tree', tree_budget=8, adaptive=True,
+                     lookup_cycles=False)
+  assert off.ids == ar.ids and 'lookup_only_share' not in off.stats
+  assert len(list(cost_cache.glob('*.json'))) == 2  # the shapes alone: another measurement
+
+
 def test_decoder_bad_input(tiny_folder, tiny_drafters, tmp_path):
   dec = d2sd_jax.load(tiny_folder, drafter1=tiny_drafters['drafter1'])
   assert dec.method == 'dflash'

@@ -378,7 +378,7 @@ def chi2_999(dof: int) -> float:
 def sampled_windows(cfg, bundle, spec, prompt, runs, B=256):
   _, init, loop, _ = jitted()
   block, lens = AR.pad_prompts([prompt] * B, 0, bucket=8)
-  counts, accepted, cycles = {}, 0, 0
+  counts, accepted, cycles, alone = {}, 0, 0, 0
   n = spec.generation.max_new_tokens
   for run in range(runs):
     state = init(bundle, cfg, spec, block, lens, AR.row_keys(run, range(B)),
@@ -386,9 +386,11 @@ def sampled_windows(cfg, bundle, spec, prompt, runs, B=256):
     state = loop(bundle, cfg, spec, state)
     accepted += int(state.accepted_hist_BxC[:, 1:].sum())
     cycles += int(state.cycles_B.sum())
+    if state.lookup_only_B is not None:  # cycles that verified prompt lookup alone
+      alone += int(state.lookup_only_B.sum())
     for row in np.asarray(SP.generated(state, n)).tolist():
       counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-  return counts, accepted, cycles
+  return counts, accepted, cycles, alone
 
 
 WINDOW_PROMPT = tiny_drafters.WINDOW_PROMPT
@@ -421,7 +423,7 @@ def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
   else:
     spec = SP.SpecSettings(gen, method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2,
                            n_branches=2)
-  counts, accepted, cycles = sampled_windows(cfg, trained, spec, prompt, runs=8)
+  counts, accepted, cycles, _ = sampled_windows(cfg, trained, spec, prompt, runs=8)
   stat, dof = pooled_chi2(counts, law)
   assert stat < chi2_999(dof), (stat, dof)
   assert accepted > 0.1 * cycles, (accepted, cycles)  # cycles really committed several tokens
@@ -511,22 +513,28 @@ def test_sampled_window_law_through_branches(tiny, sampled_drafters, method, sam
   assert stats['off_chain'] >= 0.1 * stats['cycles'], stats
 
 
-@pytest.mark.parametrize('method', ['d2sd_tree', pytest.param('ddtree', marks=pytest.mark.slow)])
-def test_sampled_window_law_of_adaptive_trees(tiny, sampled_drafters, method):
+@pytest.mark.parametrize('method,lookup_cost', [
+    ('d2sd_tree', 0.0), ('d2sd_tree', 0.5), pytest.param('ddtree', 0.0, marks=pytest.mark.slow)])
+def test_sampled_window_law_of_adaptive_trees(tiny, sampled_drafters, method, lookup_cost):
   """spec.adaptive at T 0.6 with top-k 4: whichever size each cycle verifies (the first n nodes
-  of the best-first tree), four generated tokens follow the target's joint law, and cycles
-  commit several tokens."""
+  of the best-first tree, or with lookup cycles prompt lookup's proposal alone), four generated
+  tokens follow the target's joint law, and cycles commit several tokens. With a lookup cost
+  that low, the cycles after each row's first verify the lookup alone."""
   cfg, params = tiny
   settings = USER_SAMPLINGS[BRANCH_SAMPLING]
   gen = AR.GenerationSettings(max_new_tokens=4, eos_ids=(), pad_id=0, sampling=settings)
   spec = SP.SpecSettings(gen, method=method, gamma=DCFG.gamma, drafter1=DCFG, drafter2=DCFG,
                          n_branches=2, tree_budget=BRANCH_BUDGET, adaptive=True,
-                         node_costs=((2, 1.0), (4, 1.2), (BRANCH_BUDGET, 1.5)))
+                         node_costs=((2, 1.0), (4, 1.2), (BRANCH_BUDGET, 1.5)),
+                         lookup_cycles=lookup_cost > 0, lookup_cost=lookup_cost)
   law = window_law(cfg, params, WINDOW_PROMPT, settings, 4)
-  counts, accepted, cycles = sampled_windows(cfg, sampled_drafters, spec, WINDOW_PROMPT, runs=8)
+  counts, accepted, cycles, alone = sampled_windows(cfg, sampled_drafters, spec, WINDOW_PROMPT,
+                                                    runs=8)
   stat, dof = pooled_chi2(counts, law)
   assert stat < chi2_999(dof), (stat, dof)
   assert accepted > 0.1 * cycles, (accepted, cycles)
+  if lookup_cost:
+    assert alone > 0.2 * cycles, (alone, cycles)
 
 
 @pytest.mark.parametrize('lam', [0.0, 0.5])
@@ -554,8 +562,8 @@ def test_lenient_window_law_equals_its_derived_law(tiny, lam, monkeypatch):
     assert set(law) == set(ar_law)
     for k, p in ar_law.items():
       assert abs(law[k] - p) < 1e-6  # float32 model probabilities
-  counts, accepted, cycles = sampled_windows(cfg, {'target': params}, spec, WINDOW_PROMPT,
-                                             runs=8)
+  counts, accepted, cycles, _ = sampled_windows(cfg, {'target': params}, spec, WINDOW_PROMPT,
+                                                runs=8)
   stat, dof = pooled_chi2(counts, law)
   assert stat < chi2_999(dof), (stat, dof)
   assert accepted > 0.2 * cycles, (accepted, cycles)
