@@ -8,7 +8,9 @@ configurations its registry entry declares (`drafting.Method.auto`): prompt look
 alone, D²SD with K = 1, 2, 4, the hybrid d2sd_pld with K = 1, 4, and the best-first trees
 ddtree and d2sd_tree at each node budget of TREE_BUDGETS (the budget is what the hardware
 decides: verifying N nodes costs little more than one on an accelerator, several AR steps on
-a CPU); a method added with d2sd_jax.register, at its defaults. Each is predicted
+a CPU), and d2sd_tree adaptive up to drafting.ADAPTIVE_BUDGET nodes (its cycles choose their
+size, or prompt lookup alone, from this machine's cycle costs, measured when it first decodes
+or is probed); a method added with d2sd_jax.register, at its defaults. Each is predicted
 throughput.tokens_per_s(E[τ], t_cycle), from one of three sources, in this order:
 
   remembered  a choice this machine made before for the same key (below), decoded at once;
@@ -268,20 +270,22 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
                                        max_new_tokens=min(PROBE_TOKENS, options.max_new_tokens))
   fixed = {k: v for k, v in options.spec.items()  # the request's own knobs (the cap is not one)
            if v is not None and k != 'tree_budget'}
-  specs, cands = {}, candidates(drafters, node_cap(options))
+  specs, cands, fields = {}, candidates(drafters, node_cap(options)), {}
+  context = runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET)
   for label, method, knobs in cands:
     if method != 'ar':
       cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
-      these = {**options_lib.request_kind(options, method), **fixed, **knobs}
-      specs[label] = SP.SpecSettings(settings, method=method, **these, **cfgs)
+      # (an adaptive tree: with this machine's costs per shape, measured and cached)
+      fields[label] = runner_lib.with_adaptive_costs(
+          target, drafters, method,
+          {**options_lib.request_kind(options, method), **fixed, **knobs}, batch, context, log)
+      specs[label] = SP.SpecSettings(settings, method=method, **fields[label], **cfgs)
   probed = {}
   probe_ids = prompt_ids[:PROBE_PROMPTS]
   width = options_lib.width(probe_ids, options)  # one program per candidate, every probe prompt
   for label, method, knobs in cands:
-    runner = runner_lib.make_runner(
-        target, probe_settings, method, width, limit, drafters,
-        **({} if method == 'ar' else {**options_lib.request_kind(options, method), **fixed,
-                                      **knobs}))
+    runner = runner_lib.make_runner(target, probe_settings, method, width, limit, drafters,
+                                    **fields.get(label, {}))
     # The first prompt warms the programs up (a first run pays one-off costs): it counts for
     # E[τ], and the cycle time comes from the others.
     _, warm = runner_lib.decode_prompts(runner, tok, probe_ids[:1], 1, options.seed, width)
@@ -294,7 +298,6 @@ def probe(target, drafters: dict, prompt_ids: list[list[int]], options, batch: i
   short = [label for label, (_, _, steps) in probed.items() if steps < auto_record.MIN_PROBE_CYCLES]
   costs = None
   if short:
-    context = runner_lib.round_up(longest, runner_lib.PROMPT_BUCKET)  # pylint: disable=protected-access
     weighed = [specs[label] for label in short if label in specs]
     sizes = sorted({2} | {spec.tree_size for spec in weighed})
     costs = costmodel.measure(params, target.cfg, weighed, batch=batch, context=context,

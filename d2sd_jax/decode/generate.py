@@ -165,14 +165,10 @@ def _runner(target, drafters, options, tok, longest, limit, batch, runners: dict
   if fits:
     return made[min(fits)]
   bound = runner_lib.new_tokens_bound(options.max_new_tokens, block, limit)
-  if spec.get('adaptive') and (not spec.get('node_costs') or (
-      spec.get('lookup_cycles', True) and drafting.get(options.method).lookup and
-      not spec.get('lookup_cost'))):
-    # this machine's cycle cost at each shape the tree may choose (measured once, cached)
-    measured = runner_lib.measured_adaptive_costs(
-        target, drafters, options.method, spec, batch, block,
-        log=lambda line: print(line, file=sys.stderr))
-    spec = {**spec, **{k: v for k, v in measured.items() if not spec.get(k)}}
+  # an adaptive tree: this machine's cycle cost at each shape it may choose (measured once,
+  # cached)
+  spec = runner_lib.with_adaptive_costs(target, drafters, options.method, spec, batch, block,
+                                        log=lambda line: print(line, file=sys.stderr))
   made[bound] = runner_lib.make_runner(
       target, dataclasses.replace(settings, max_new_tokens=bound), options.method, longest,
       limit, drafters, **spec)

@@ -193,6 +193,19 @@ def make_runner(target, settings: ar.GenerationSettings, method: str, longest: i
 ADAPTIVE_SHAPES = (4, 8, 16, 32, 64)
 
 
+def with_adaptive_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
+                        context: int, log=print) -> dict:
+  """spec_fields with the costs an adaptive tree chooses by filled in where they are missing
+  (measured_adaptive_costs); unchanged for a tree that is not adaptive or has them all."""
+  if not spec_fields.get('adaptive'):
+    return spec_fields
+  lookup = spec_fields.get('lookup_cycles', True) and drafting.get(method).lookup
+  if spec_fields.get('node_costs') and (not lookup or spec_fields.get('lookup_cost')):
+    return spec_fields
+  measured = measured_adaptive_costs(target, drafters, method, spec_fields, batch, context, log)
+  return {**spec_fields, **{k: v for k, v in measured.items() if not spec_fields.get(k)}}
+
+
 def measured_adaptive_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
                             context: int, log=print) -> dict:
   """The SpecSettings costs an adaptive tree chooses by, as measured on this machine

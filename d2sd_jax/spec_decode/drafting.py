@@ -489,12 +489,22 @@ def _auto_branches(counts):
                               if k <= gamma - 1]
 
 
-def _auto_budgets(branches: bool):
+# The budget of the adaptive tree auto weighs beside the fixed ones (its cycles verify fewer
+# nodes where that pays, or prompt lookup's proposal alone: SpecSettings.adaptive).
+ADAPTIVE_BUDGET = 32
+
+
+def _auto_budgets(branches: bool, adaptive: bool = False):
   """auto's candidates of a best-first tree: one per node budget (with K = min(4, gamma-1)
-  branches where the tree has them)."""
-  return lambda name, gamma: [
-      (f'{name}(N={n})', {'tree_budget': n, **({'n_branches': min(4, gamma - 1)}
-                                               if branches else {})}) for n in TREE_BUDGETS]
+  branches where the tree has them), and with `adaptive` the adaptive tree of ADAPTIVE_BUDGET
+  nodes."""
+  def candidates(name, gamma):
+    k = {'n_branches': min(4, gamma - 1)} if branches else {}
+    out = [(f'{name}(N={n})', {'tree_budget': n, **k}) for n in TREE_BUDGETS]
+    if adaptive:
+      out.append((f'{name}(adaptive)', {'tree_budget': ADAPTIVE_BUDGET, 'adaptive': True, **k}))
+    return out
+  return candidates
 
 
 register('pld', Method(pld, auto=lambda name, gamma: [(f'{name}(gamma={gamma})', {})]))
@@ -510,7 +520,7 @@ register('ddtree', Method(ddtree, ('drafter1',), _budget, budgeted=True,
                           auto=_auto_budgets(branches=False)))
 register('d2sd_tree', Method(d2sd_tree, ('drafter1', 'drafter2'), _budget, branched=True,
                              redrafter='drafter2', budgeted=True, lookup=True,
-                             auto=_auto_budgets(branches=True)))
+                             auto=_auto_budgets(branches=True, adaptive=True)))
 # the hybrid: D²SD's tree plus prompt lookup's proposal as one more branch
 register('d2sd_pld', Method(d2sd_pld, ('drafter1', 'drafter2'),
                             lambda s: _chain_and_branches(s) + s.gamma - 1, branched=True,

@@ -47,14 +47,16 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
                                   dataclasses.replace(base, method='auto'))
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
   table = stats['auto_candidates']
-  trees = {f'{m}(N={n})' for m in ('ddtree', 'd2sd_tree') for n in autoconfig.TREE_BUDGETS}
+  trees = {f'{m}(N={n})' for m in ('ddtree', 'd2sd_tree') for n in autoconfig.TREE_BUDGETS} | {
+      'd2sd_tree(adaptive)'}
   assert set(table) == {'ar', 'pld(gamma=4)', 'dflash', 'd2sd(K=1)', 'd2sd(K=2)',
                         'd2sd_pld(K=1)'} | trees
   best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
   assert stats['auto_choice'] == best
   assert stats['predicted_tokens_per_s'] == table[best]['predicted_tokens_per_s']
   assert stats['method'] == table[best]['method']
-  assert 'ar' not in check_cycle_sources(table, cost_cache)  # (the probe's time used)
+  # (the probe's time used; the adaptive tree's shapes measured, once)
+  assert 'ar' not in check_cycle_sources(table, cost_cache, adaptive_files=1)
   # Each candidate's probe: the first prompt to warm up (it counts for τ), then the other,
   # timed; then the decode itself, both prompts in one batch-1 call.
   assert probed == [1, 1] * len(table) + [2], probed
@@ -92,8 +94,8 @@ def test_auto_chooses_the_best_predicted_candidate_and_stays_lossless(tiny_folde
   _, stats4 = generate_lib.generate(target, drafters, prompts,
                                 dataclasses.replace(base, method='auto', auto_refresh=True))
   assert stats4['auto_source'] == 'probed' and len(probed) == 2 * 3 + 1
-  assert check_cycle_sources(stats4['auto_candidates'], cost_cache) == {'ar', 'pld(gamma=4)',
-                                                                          'dflash'}
+  assert check_cycle_sources(stats4['auto_candidates'], cost_cache, adaptive_files=1) == {
+      'ar', 'pld(gamma=4)', 'dflash'}
   rewritten = json.loads(remembered[0].read_text())
   assert rewritten['auto_choice'] == stats4['auto_choice'] == max(
       rewritten['auto_candidates'],
@@ -155,9 +157,11 @@ def test_auto_on_prompts_of_different_lengths_equals_ar(tiny_folder, cost_cache,
   assert [r['completion_ids'] for r in auto] == [r['completion_ids'] for r in ar]
 
 
-def check_cycle_sources(table: dict, cost_cache) -> set:
+def check_cycle_sources(table: dict, cost_cache, adaptive_files: int = 0) -> set:
   """Each candidate's cycle time is its probe's where the probe ran long enough, the cost
-  model's otherwise, and the cost model is measured (cached) only for those: the short ones."""
+  model's otherwise, and the cost model is measured (cached) only for those: the short ones.
+  `adaptive_files`: the cost-cache files the adaptive tree's shapes were measured into (one
+  per request kind and context that probed it: it chooses its size by them)."""
   short = {k for k in table if table[k]['probe_cycles'] < auto_record.MIN_PROBE_CYCLES}
   for label, row in table.items():
     assert row['tau'] >= 1.0 and row['cycle_ms'] > 0
@@ -165,7 +169,8 @@ def check_cycle_sources(table: dict, cost_cache) -> set:
       assert row['cycle_ms'] == row['model_cycle_ms'] > 0, label
     else:
       assert row['cycle_ms'] == row['probe_cycle_ms'] and row['model_cycle_ms'] is None, label
-  assert bool(short) == (cost_cache.exists() and bool(list(cost_cache.iterdir())))
+  files = list(cost_cache.iterdir()) if cost_cache.exists() else []
+  assert len(files) == bool(short) + adaptive_files, files
   return short
 
 
