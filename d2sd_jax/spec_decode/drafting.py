@@ -143,7 +143,7 @@ def lookup_tree(settings, state) -> tree_lib.Tree:
   """Prompt lookup's proposal alone, as a best-first tree of gamma nodes: its nodes scored as in
   d2sd_tree's pool (`lookup_scores` through lookup's reliability curve, never rising along the
   chain) and sourced 'lookup'. What an adaptive cycle verifies when the lookup's expected
-  tokens per second beat the drafted tree's (speculative.lookup_wins)."""
+  tokens per second beat the drafted tree's (adaptive.lookup_wins)."""
   draft, valid, score = lookup_scores(settings, state)
   B, N = score.shape
   depth = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (B, N))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import adaptive
 from d2sd_jax.spec_decode import ar
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.spec_decode import tree as tree_lib
@@ -68,7 +69,7 @@ class SpecSettings:
   # Adaptive trees whose pool holds prompt lookup's proposal (d2sd_tree): before drafting, a
   # cycle verifies that proposal alone (gamma nodes, no drafter runs) when its expected tokens
   # per second, at lookup_cost seconds a cycle, beat what the drafted trees have been giving
-  # (lookup_wins). decode.py and Decoder.generate measure lookup_cost with node_costs. Other
+  # (adaptive.lookup_wins). decode.py and Decoder.generate measure lookup_cost with node_costs. Other
   # methods, and trees that are not adaptive, ignore lookup_cycles.
   lookup_cycles: bool = True
   lookup_cost: float = 0.0
@@ -234,8 +235,8 @@ class SpecState:
   # settings.tally_nodes: [B, sources, gamma-1 depths, bins, 3] tree.node_tally summed over the
   # row's live cycles (None otherwise)
   node_tally: jax.Array | None = None
-  # settings.takes_lookup_cycles: [B] float32, a running mean of the expected tokens per second of the
-  # row's drafted (not lookup-only) cycles, inf before the first (None otherwise)
+  # settings.takes_lookup_cycles: [B] float32, a running mean of the expected tokens per
+  # second of the row's drafted (not lookup-only) cycles, inf before the first (else None)
   tree_rate_B: jax.Array | None = None
   lookup_only_B: jax.Array | None = None  # int32 [B]: its live cycles that verified lookup alone
 
@@ -541,45 +542,10 @@ def accept_and_commit(params, settings: SpecSettings, state: SpecState, tree: tr
   return commit(params, settings, state, tree, v, accept(settings, tree, v, state.cycle_keys[1]))
 
 
-def adaptive_choice(settings: SpecSettings, state: SpecState, tree: tree_lib.Tree):
-  """The index into settings.node_costs of the shape an adaptive cycle verifies: the most
-  expected tokens per second, (live rows + their trees' expected drafts at n nodes) / cost(n).
-  The tree is best first, so its first n nodes are its best tree of n, and their expected
-  drafts are a prefix sum of its scores. Also returns each row's expected tokens per second at
-  the chosen shape ([B])."""
-  live_B = ~state.done_B
-  reach_BxT = jnp.cumsum(jnp.exp(tree.score_BxT[:, 1:]), axis=1)  # [:, n-2]: n nodes
-  sizes = jnp.asarray([n for n, _ in settings.node_costs])
-  costs = jnp.asarray([c for _, c in settings.node_costs], jnp.float32)
-  rate_BxS = (1.0 + reach_BxT[:, sizes - 2]) / costs
-  choice = jnp.argmax(jnp.sum(jnp.where(live_B[:, None], rate_BxS, 0.0), axis=0))
-  return choice.astype(jnp.int32), rate_BxS[:, choice]
-
-
-RATE_MEMORY = 0.25  # weight of the newest drafted cycle in SpecState.tree_rate_B
-
-
-def lookup_wins(settings: SpecSettings, state: SpecState, lookup: tree_lib.Tree):
-  """Whether this cycle verifies prompt lookup's proposal alone (a scalar: the batch shares the
-  shape): the live rows' expected tokens per second from it, (1 + its expected drafts) /
-  lookup_cost, summed, against a drafted tree's. Those are not known before drafting, so each
-  row's is estimated as the larger of the rate its drafted cycles have been giving
-  (tree_rate_B; inf before the first, which is therefore drafted) and the lookup's own expected
-  tokens at the cost of the smallest shape that holds its gamma nodes: a drafted tree's pool
-  holds the lookup's proposal too."""
-  live_B = ~state.done_B
-  lookup_B = 1.0 + tree_lib.expected_drafts(lookup)
-  held = [c for n, c in settings.node_costs if n >= settings.gamma]
-  holding_cost = min(held) if held else max(c for _, c in settings.node_costs)
-  tree_B = jnp.maximum(state.tree_rate_B, lookup_B / holding_cost)
-  gain = jnp.where(live_B, lookup_B / settings.lookup_cost - tree_B, 0.0)
-  return jnp.sum(gain) > 0
-
-
 def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
               state: SpecState) -> SpecState:
   """One cycle, top to bottom (adaptive: verify and accept the first n nodes, n chosen by
-  adaptive_choice, in the one branch of a lax.switch that runs; then commit. With
+  adaptive.choice, in the one branch of a lax.switch that runs; then commit. With
   lookup_cycles, a lax.cond first chooses between that and verifying prompt lookup's proposal
   alone, without drafting)."""
   _, accept_key_B = state.cycle_keys  # drafting methods that sample take the other stream
@@ -589,22 +555,22 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
     return outcome(settings, state, tree, verified,
                    accept(settings, tree, verified, accept_key_B))
 
-  def drafted():  # the method's tree; adaptive: at the size adaptive_choice picks
+  def drafted():  # the method's tree; adaptive: at the size adaptive.choice picks
     tree = draft(params, cfg, settings, state)
     if not settings.adaptive:
       return decided(tree), None
     # Only the verification differs between sizes; the caches are written once, after the
     # switch, so that no branch carries (and XLA need not copy) the decoding state.
-    choice, rate_B = adaptive_choice(settings, state, tree)
+    choice, rate_B = adaptive.choice(settings, state, tree)
     return jax.lax.switch(choice, [functools.partial(lambda n: decided(tree_lib.prefix(tree, n)),
                                                      n) for n, _ in settings.node_costs]), rate_B
   if not settings.takes_lookup_cycles:
     return commit_outcome(params, settings, state, drafted()[0])
   lookup = drafting.lookup_tree(settings, state)
-  alone = lookup_wins(settings, state, lookup)
+  alone = adaptive.lookup_wins(settings, state, lookup)
   out, rate_B = jax.lax.cond(alone, lambda: (decided(lookup), state.tree_rate_B), drafted)
   old = state.tree_rate_B
-  moved = jnp.where(jnp.isinf(old), rate_B, old + RATE_MEMORY * (rate_B - old))
+  moved = adaptive.running_rate(old, rate_B)
   return commit_outcome(params, settings, state.replace(
       tree_rate_B=jnp.where(state.done_B, old, moved),
       lookup_only_B=state.lookup_only_B + (alone & ~state.done_B)), out)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from d2sd_jax.spec_decode import adaptive
 from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import speculative as SP
@@ -388,7 +389,7 @@ def test_lookup_wins_weighs_each_row_against_its_floor_at_batch_two():
   tree = tree_lib.Tree(tokens_BxT=jnp.zeros((2, 5), jnp.int32),
                        parents_BxT=jnp.zeros((2, 5), jnp.int32),
                        valid_BxT=jnp.ones((2, 5), bool), score_BxT=score)
-  wins = lambda rate, done: bool(SP.lookup_wins(spec, types.SimpleNamespace(
+  wins = lambda rate, done: bool(adaptive.lookup_wins(spec, types.SimpleNamespace(
       tree_rate_B=jnp.asarray(rate, jnp.float32), done_B=jnp.asarray(done)), tree))
   assert not wins([1.0, 2.0], [False, False])  # 0.33 - 0.89
   assert wins([1.0, 2.0], [False, True])  # row 0 alone: 0.33
