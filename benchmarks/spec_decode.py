@@ -32,7 +32,8 @@ drafter1= / drafter2= folders: 'd2sd_tree(tree_budget=16;drafter2=drafters/smoll
 loads drafter 1 as drafter 2). AR runs first and last; speed-ups are against the mean of the
 two. --rounds R repeats that R times, the methods in reverse order every other round, and
 reports each method's mean ms per token over the rounds (a shared CPU's speed drifts by tens of
-percent within a run; alternating the order makes the drift weigh on every method alike). auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
+percent within a run; alternating the order makes the drift weigh on every method alike).
+auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
 D2SD_COST_CACHE) unless --warm_auto. Best-first trees report expected_tau (their scores'
 prediction of tau). --out keeps the run (command, date, machine, every row) in a JSON file,
 keyed by prompt set and kind (plain or chat), and --tag TAG beside the run of that key.
@@ -248,13 +249,14 @@ def main():
       print(json.dumps(row), flush=True)
       return row
 
-    def method_row(label, stats, ids, ar_ids):
+    def method_row(label, stats, ids, ar_ids, ar_ms):
       same = sum(a == b for a, b in zip(ar_ids, ids))
       ms = 1e3 * stats['decode_s'] / (stats['new_tokens'] - stats['prompts'])
       row = {'method': label, 'lossless': same == len(ar_ids),
              'identical_completions': f'{same}/{len(ar_ids)}', 'tau': stats.get('tau', 1.0),
              'ms_per_token': round(ms, 2), 'decode_tokens_per_s': stats['decode_tokens_per_s'],
-             'speedup_vs_ar': None, 'tree_size': stats.get('tree_size'),
+             'speedup_vs_ar': round(ar_ms / ms, 3),  # (this round's first AR; see below)
+             'tree_size': stats.get('tree_size'),
              'stage_ms': stats.get('stage_ms'),
              'accepted_histogram': stats.get('accepted_histogram'),
              'prefill_s': stats['prefill_s'], 'expected_tau': stats.get('expected_tau'),
@@ -281,28 +283,30 @@ def main():
         ar_stats = run('ar')[0]
       first = ar_row(ar_stats)
       order = methods if r % 2 == 0 else methods[::-1]
-      got = {label: method_row(label, *run(method, knobs), ar_ids)
+      got = {label: method_row(label, *run(method, knobs), ar_ids, first['ms_per_token'])
              for label, method, knobs in order}
       last = ar_row(run('ar')[0])
       rounds.append((first, got, last))
-    first, _, last = rounds[0]
     summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
                'target': args.target, 'dtype': args.dtype,
                'prompts_file': (args.set if args.set else
                                 f'held-out records of {args.records}' if args.records else
                                 args.prompts_file or 'HumanEval'),
-               'ar_tokens_per_s': first['decode_tokens_per_s'], 'rounds': args.rounds}
-    mean = lambda xs: round(sum(xs) / len(xs), 2)
-    rows = [dict(first, ms_per_token=mean([f['ms_per_token'] for f, _, _ in rounds]))]
-    for label, _, _ in methods:
-      per_round = [got[label] for _, got, _ in rounds]
-      row = dict(per_round[0], ms_per_token=mean([g['ms_per_token'] for g in per_round]))
+               'rounds': args.rounds}
+
+    def pooled(per_round: list[dict], **extra) -> dict:
+      """The first round's row with the rounds' mean ms per token (and each round's)."""
+      ms = [r['ms_per_token'] for r in per_round]
+      row = dict(per_round[0], **extra, ms_per_token=round(sum(ms) / len(ms), 2))
       if args.rounds > 1:
-        row['ms_per_token_rounds'] = [g['ms_per_token'] for g in per_round]
-        row['decode_tokens_per_s'] = round(1e3 / row['ms_per_token'], 2)
-      rows.append(row)
-    rows.append(dict(last, method='ar (last)',
-                     ms_per_token=mean([l['ms_per_token'] for _, _, l in rounds])))
+        row.update(ms_per_token_rounds=ms,
+                   decode_tokens_per_s=round(1e3 / row['ms_per_token'], 2))
+      return row
+
+    rows = [pooled([f for f, _, _ in rounds])]
+    summary['ar_tokens_per_s'] = rows[0]['decode_tokens_per_s']  # (several rounds: their mean)
+    rows += [pooled([got[label] for _, got, _ in rounds]) for label, _, _ in methods]
+    rows.append(pooled([end for _, _, end in rounds], method='ar (last)'))
     # speed-ups against AR's mean over every round's first and last runs
     ar_ms = (rows[0]['ms_per_token'] + rows[-1]['ms_per_token']) / 2
     for row in rows:
@@ -310,7 +314,7 @@ def main():
       if row['method'] not in ('ar', 'ar (last)'):
         summary[f"{row['method']}_tau"] = row['tau']
         summary[f"{row['method']}_speedup"] = row['speedup_vs_ar']
-    summary['ar_last_tokens_per_s'] = last['decode_tokens_per_s']
+    summary['ar_last_tokens_per_s'] = rows[-1]['decode_tokens_per_s']
     print(json.dumps({'summary': 'spec_decode', **summary}))
     if args.out:
       key = f"{summary['prompts_file']}|{'chat' if args.chat else 'plain'}"

@@ -69,8 +69,8 @@ class SpecSettings:
   # Adaptive trees whose pool holds prompt lookup's proposal (d2sd_tree): before drafting, a
   # cycle verifies that proposal alone (gamma nodes, no drafter runs) when its expected tokens
   # per second, at lookup_cost seconds a cycle, beat what the drafted trees have been giving
-  # (adaptive.lookup_wins). decode.py and Decoder.generate measure lookup_cost with node_costs. Other
-  # methods, and trees that are not adaptive, ignore lookup_cycles.
+  # (adaptive.lookup_wins). decode.py and Decoder.generate measure lookup_cost with
+  # node_costs. Other methods, and trees that are not adaptive, ignore lookup_cycles.
   lookup_cycles: bool = True
   lookup_cost: float = 0.0
   # Best-first trees: count, per proposer, depth and bin of estimated probability, how many

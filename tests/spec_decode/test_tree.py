@@ -407,7 +407,8 @@ def test_adaptive_settings_are_checked():
     spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0), (16, 2.0)), lookup_cost=1.0)
   with pytest.raises(ValueError, match='set adaptive=True or drop them'):
     spec_for('d2sd_tree', 8, node_costs=((4, 1.0),))
-  with pytest.raises(ValueError, match=r'lookup_cost=0.0 must be the positive .*lookup_cycles=False'):
+  with pytest.raises(ValueError,
+                     match=r'lookup_cost=0.0 must be the positive .*lookup_cycles=False'):
     spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0),))
   assert not spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0),),
                       lookup_cycles=False).takes_lookup_cycles
