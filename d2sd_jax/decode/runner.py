@@ -199,39 +199,40 @@ def with_adaptive_costs(target, drafters: dict, method: str, spec_fields: dict, 
   (measured_adaptive_costs); unchanged for a tree that is not adaptive or has them all."""
   if not spec_fields.get('adaptive'):
     return spec_fields
+  # (SpecSettings.takes_lookup_cycles, before its settings can be made: they need these costs)
   lookup = spec_fields.get('lookup_cycles', True) and drafting.get(method).lookup
   if spec_fields.get('node_costs') and (not lookup or spec_fields.get('lookup_cost')):
     return spec_fields
-  measured = measured_adaptive_costs(target, drafters, method, spec_fields, batch, context, log)
+  measured = measured_adaptive_costs(target, drafters, method, spec_fields, batch, context,
+                                     lookup, log)
   return {**spec_fields, **{k: v for k, v in measured.items() if not spec_fields.get(k)}}
 
 
 def measured_adaptive_costs(target, drafters: dict, method: str, spec_fields: dict, batch: int,
-                            context: int, log=print) -> dict:
+                            context: int, lookup: bool, log=print) -> dict:
   """The SpecSettings costs an adaptive tree chooses by, as measured on this machine
-  (perf.costmodel.measure, cached in its cost cache):
+  (perf.costmodel.measure, cached in its cost cache); `lookup`: the tree takes lookup-only
+  cycles:
     node_costs   for each shape of ADAPTIVE_SHAPES below its budget, and the budget, the seconds
                  of one cycle: the draft, then verifying and accepting that many nodes;
-    lookup_cost  where the tree takes lookup-only cycles (SpecSettings.lookup_cycles): a cycle
-                 that verifies prompt lookup's gamma nodes alone (its draft, verification and
-                 acceptance)."""
+    lookup_cost  with `lookup`: a cycle that verifies prompt lookup's gamma nodes alone (its
+                 draft, verification and acceptance)."""
   cfgs = {n: drafters[n][0] for n in options_lib.drafters_needed(method)}
   gen = ar.GenerationSettings(max_new_tokens=1, eos_ids=(), pad_id=0)
   fixed = SP.SpecSettings(gen, method=method, **{
       **spec_fields, 'adaptive': False, 'node_costs': (), 'lookup_cycles': False,
       'lookup_cost': 0.0}, **cfgs)
-  lookup = SP.SpecSettings(gen, method='pld', gamma=fixed.gamma, ngram_max=fixed.ngram_max)
-  wants_lookup = spec_fields.get('lookup_cycles', True) and drafting.get(method).lookup
+  pld = SP.SpecSettings(gen, method='pld', gamma=fixed.gamma, ngram_max=fixed.ngram_max)
   sizes = sorted({n for n in ADAPTIVE_SHAPES if n < fixed.tree_size} | {fixed.tree_size})
   params = {'target': target.params, **{n: drafters[n][1] for n in cfgs}}
-  costs = costmodel.measure(params, target.cfg, [fixed] + [lookup] * wants_lookup, batch=batch,
+  costs = costmodel.measure(params, target.cfg, [fixed] + [pld] * lookup, batch=batch,
                             context=context, sizes=tuple(sorted({2, fixed.gamma, *sizes})),
                             log=log)
   part = lambda spec, n: costs.draft[costmodel.draft_key(spec)] + costs.at(
       'verify', n) + costs.at('accept', n)
   out = {'node_costs': tuple((n, round(part(fixed, n), 7)) for n in sizes)}
-  if wants_lookup:
-    out['lookup_cost'] = round(part(lookup, fixed.gamma), 7)
+  if lookup:
+    out['lookup_cost'] = round(part(pld, fixed.gamma), 7)
   return out
 
 

@@ -54,7 +54,9 @@ def test_adaptive_tree_measures_its_costs_with_the_lookup_cycle(tiny_folder, tin
   ar = dec.generate(prompts, 16, chat=False, method='ar')
   out = dec.generate(prompts, 16, chat=False, method='d2sd_tree', tree_budget=8, adaptive=True)
   assert out.ids == ar.ids
-  assert 0.0 <= out.stats['lookup_only_share'] <= 1.0
+  # both kinds of cycle: each row's first is drafted; the untrained drafters' trees accept
+  # little, so lookup-only cycles win most of the others
+  assert 0.0 < out.stats['lookup_only_share'] < 1.0
   files = sorted(cost_cache.glob('*.json'))
   assert len(files) == 1
   drafts = json.loads(files[0].read_text())['draft']
