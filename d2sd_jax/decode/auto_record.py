@@ -16,6 +16,7 @@ import typing
 
 from d2sd_jax import files
 from d2sd_jax.perf import throughput
+from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import replay
 from d2sd_jax.spec_decode import speculative as SP
 
@@ -38,6 +39,15 @@ def _accepts(hint, value) -> bool:
   args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
   kinds = tuple(typing.get_origin(a) or a for a in args)
   return isinstance(value, kinds + ((int,) if float in kinds else ()))
+
+
+def takes_lookup_cycles(row: dict) -> bool:
+  """Whether a candidate (a record's auto_candidates entry) is an adaptive tree whose cycles may
+  verify prompt lookup's proposal alone (SpecSettings.takes_lookup_cycles, from its knobs)."""
+  spec = row['spec']
+  return (row['method'] in drafting.REGISTRY and drafting.get(row['method']).lookup and
+          bool(spec.get('adaptive', SP.SpecSettings.adaptive)) and
+          bool(spec.get('lookup_cycles', SP.SpecSettings.lookup_cycles)))
 
 
 class RecordError(ValueError):
@@ -151,7 +161,12 @@ class Record:
       drafter candidate measured last shows (its measured τ - 1 over its prior's);
     - prompt lookup's τ, measured or not, is what it would have taken on every batch's outputs
       so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends
-      on how much the request repeats itself, which no prior knows.
+      on how much the request repeats itself, which no prior knows;
+    - an untimed adaptive tree that takes lookup-only cycles (`takes_lookup_cycles`) is
+      predicted at least prompt lookup's tokens/s: its cycles verify lookup's proposal alone
+      whenever that promises more than drafting (what a repetitive request shows through
+      prompt lookup's τ, which the drafters' scale cannot). On a tie it ranks first; once it
+      decodes, its own measurement predicts it.
 
     The choice becomes whichever now predicts fastest, if it predicts at least `margin` times
     the tokens/s of the choice so far (auto_policy.SWITCH_MARGIN after a decoded batch: the
@@ -215,8 +230,16 @@ class Record:
       row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                  predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch),
                                               2))
-    best = max(table, key=lambda k: table[k]['predicted_tokens_per_s'])
+    # an adaptive tree that takes lookup-only cycles verifies prompt lookup's proposal alone
+    # whenever that promises more: untimed, it predicts at least what prompt lookup does (and
+    # wins the tie, being the one of the two that also drafts where lookup fails)
+    lookup_rate = max((row['predicted_tokens_per_s'] for row in table.values()
+                       if row['method'] == 'pld'), default=0.0)
+    for name, row in table.items():
+      if name not in timed and takes_lookup_cycles(row):
+        row['predicted_tokens_per_s'] = max(row['predicted_tokens_per_s'], lookup_rate)
     rate = lambda k: table[k]['predicted_tokens_per_s']
+    best = max(table, key=lambda k: (rate(k), takes_lookup_cycles(table[k])))
     if rate(best) >= margin * rate(self.auto_choice):
       self.auto_choice = best
     self.predicted_tokens_per_s = table[self.auto_choice]['predicted_tokens_per_s']

@@ -630,3 +630,43 @@ def test_learn_predicts_prompt_lookup_from_every_batchs_outputs(tmp_path):
                                      'completion_ids': [fresh]}, 1, label='ar')
   assert rec.auto_candidates['pld']['tau'] == pytest.approx(
       (23 + 0.5 * 23) / (23 + 0.5 * cycles), abs=1e-3)
+
+
+def test_learn_predicts_an_untimed_adaptive_tree_at_least_prompt_lookups_rate(tmp_path):
+  """An adaptive d2sd_tree takes lookup-only cycles when they promise more, so once a request
+  shows prompt lookup taking far more than its prior said, the untimed adaptive tree predicts
+  prompt lookup's tokens/s and is chosen over prompt lookup itself; one with lookup_cycles off
+  is not. Timed, its own measurement predicts it."""
+  path = tmp_path / 'r.json'
+  rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4),
+          'd2sd_tree(N=8)': ('d2sd_tree', 2.0, 1.7),
+          'd2sd_tree(adaptive)': ('d2sd_tree', 1.9, 1.8),
+          'd2sd_tree(adaptive, no lookup)': ('d2sd_tree', 1.9, 1.8)}
+  record = _prior_record(rows)
+  record['auto_candidates']['d2sd_tree(adaptive)']['spec'] = {'adaptive': True,
+                                                              'tree_budget': 32}
+  record['auto_candidates']['d2sd_tree(adaptive, no lookup)']['spec'] = {
+      'adaptive': True, 'tree_budget': 32, 'lookup_cycles': False}
+  path.write_text(json.dumps(record))
+  assert [auto_record.takes_lookup_cycles(row) for row in record['auto_candidates'].values()
+          ] == [False, False, False, True, False]
+  prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+  repeat = {'prompt_ids': [prompt], 'completion_ids': [prompt]}  # lookup takes it all
+  rec = learn(str(path), {'decode_tokens': 23, 'cycles': 23, 'decode_s': 1.15,
+                          'decode_steps': 23, **repeat}, 1, label='ar')
+  table = rec.auto_candidates
+  pld_rate = table['pld']['predicted_tokens_per_s']
+  assert pld_rate > table['d2sd_tree(N=8)']['predicted_tokens_per_s'] > table['ar'][
+      'predicted_tokens_per_s']
+  # (the drafters' own prior: 1.9 tokens per 1.8 AR steps, below prompt lookup's now)
+  assert table['d2sd_tree(adaptive, no lookup)']['predicted_tokens_per_s'] < pld_rate
+  assert table['d2sd_tree(adaptive)']['predicted_tokens_per_s'] == pld_rate
+  assert rec.auto_choice == 'd2sd_tree(adaptive)'
+  # it decodes, and measures below prompt lookup's prediction: its measurement rules
+  rec = learn(str(path), {'decode_tokens': 40, 'cycles': 20, 'decode_s': 2.0,
+                          'decode_steps': 20, **repeat}, 1)
+  table = rec.auto_candidates
+  assert table['d2sd_tree(adaptive)']['measured']
+  assert table['d2sd_tree(adaptive)']['predicted_tokens_per_s'] == pytest.approx(
+      shrunk(40, 20, 1.9) / 0.1, abs=0.01)
+  assert rec.auto_choice == 'pld'
