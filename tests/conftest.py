@@ -47,18 +47,6 @@ jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
 
 
-def pytest_configure(config):
-  """The slow tier (`-m slow`) neither reads nor writes the persistent cache. Its workers run
-  the real target's tests one after another, and after some such histories jaxlib 0.10.2's
-  CPU `executable.serialize()` segfaulted while writing a tiny model's decode loop to the cache
-  (tests/decode/test_api.py's adaptive-tree test, twice in full slow-tier runs with 2
-  workers, with memory to spare; never alone or after any one group of the tests that ran
-  before it). Nothing outside the tests enables the persistent cache."""
-  if (config.option.markexpr or '').strip() == 'slow':
-    os.environ['JAX_ENABLE_COMPILATION_CACHE'] = 'false'  # (and the subprocesses the tests start)
-    jax.config.update('jax_enable_compilation_cache', False)
-
-
 def pytest_collection_modifyitems(items):
   """The mutation suite last: each mutation ends with jax.clear_caches(), which would make the
   tests after it trace and compile everything again."""
