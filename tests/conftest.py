@@ -1,4 +1,5 @@
 import functools
+import gc
 import gzip
 import importlib.util
 import json
@@ -45,6 +46,36 @@ os.environ.update(CACHE)
 jax.config.update('jax_compilation_cache_dir', CACHE['JAX_COMPILATION_CACHE_DIR'])
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+
+
+# Every program XLA's CPU backend compiles maps its code into the process (about 15 memory
+# maps for a small one), and jit caches keep the programs alive. A worker that runs a long
+# history of tests reaches Linux's per-process limit (vm.max_map_count, 65,530 by default),
+# and the next compile's mmap fails inside LLVM: a segfault, with memory to spare. So after a
+# test that leaves the process above MAX_MAPS maps, the compiled programs are dropped (the
+# persistent cache reads them back when a later test needs them again).
+MAX_MAPS = 30_000
+
+
+def memory_maps() -> int:
+  """The memory maps of this process (Linux; 0 elsewhere)."""
+  try:
+    with open('/proc/self/maps', 'rb') as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _drop_compiled_programs_near_the_map_limit():
+  yield
+  maps = memory_maps()
+  if maps > MAX_MAPS:
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get('D2SD_TEST_MAPS_LOG'):
+      with open(os.environ['D2SD_TEST_MAPS_LOG'], 'a') as f:
+        f.write(f'{os.getpid()} {maps} -> {memory_maps()}\n')
 
 
 def pytest_collection_modifyitems(items):
