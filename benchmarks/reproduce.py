@@ -208,6 +208,7 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
                         'decode_tokens_per_s': st['decode_tokens_per_s']}), flush=True)
     ar_ms = np.mean([per_token_ms(st) for label, st in done if label in ('ar', 'ar (end)')])
     out[name] = [row_of(label, st, ar_ms) for label, st in done]
+    dec.drop_programs()  # (the next set's prompt width makes programs of its own)
   return out
 
 
@@ -593,17 +594,22 @@ def main():
         del runs[k]
       runs[section] = record
   dec = d2sd_jax.load('smollm2', drafter1=args.drafter1, drafter2=args.drafter2)
+  # Each section compiles programs of its own: dropped after it, so that the process does not
+  # collect every section's (their code's memory maps reach Linux's per-process limit).
   if 'ladder' in only:
     # (--quick: no per-stage times, 3 more programs per method to compile)
     results['ladder'] = ladder(dec, n, tokens, stage_times=not args.quick)
+    dec.drop_programs()
   for section, run in (('trees', trees), ('sampled', sampled)):
     if section in only:
       rows = run(dec, n, tokens, names)
       results[section] = {**(results.get(section, {}) if names else {}), **rows}
       if names:
         runs.update({f'{section}:{name}': record for name in rows})
+      dec.drop_programs()
   if 'scaling' in only:
     results['scaling'] = scaling(dec, n, tokens)
+    dec.drop_programs()
   if 'pareto' in only:
     results['pareto'] = pareto(dec, n, tokens, (1, 2) if args.quick else (1, 2, 4),
                                (0.0, 0.5) if args.quick else (0.0, 0.25, 0.5, 0.75))

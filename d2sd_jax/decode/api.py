@@ -93,6 +93,14 @@ class Decoder:
     return Generation(texts=[c['completion'] for c in completions],
                       ids=[c['completion_ids'] for c in completions], stats=stats)
 
+  def drop_programs(self) -> None:
+    """Forgets the compiled programs kept for later calls, and JAX's own caches of them. Each
+    program holds its code mapped into the process: a session that runs many methods and
+    shapes (benchmarks/reproduce.py's sections) frees them between phases, and a later call
+    compiles again what it needs."""
+    self._runners.clear()
+    jax.clear_caches()
+
   def save(self, directory: str) -> str:
     """Target (parameters, architecture, tokenizer) and drafters as Orbax checkpoints in one
     folder that `d2sd_jax.load(directory)` restores. Saving again replaces the earlier save

@@ -195,3 +195,15 @@ def test_saving_again_replaces_the_save_atomically(tiny_folder, tmp_path, monkey
   (tmp_path / 'notes' / 'todo.txt').write_text('mine')
   with pytest.raises(ValueError, match='not a saved decoder'):  # never moves other files away
     api.Decoder(target).save(str(tmp_path / 'notes'))
+
+
+def test_drop_programs_compiles_again_and_decodes_the_same(tiny_folder, tiny_drafters):
+  """A second call with the same shapes reuses the compiled programs (no compile time); after
+  drop_programs the next call compiles them again, and decodes the same tokens."""
+  dec = d2sd_jax.load(tiny_folder, **tiny_drafters)
+  first = dec.generate(['abcabc', 'xyz'], 8, chat=False, method='d2sd_tree', tree_budget=8)
+  reused = dec.generate(['abcabc', 'xyz'], 8, chat=False, method='d2sd_tree', tree_budget=8)
+  assert first.stats['compile_s'] > 0 and reused.stats['compile_s'] == 0
+  dec.drop_programs()
+  again = dec.generate(['abcabc', 'xyz'], 8, chat=False, method='d2sd_tree', tree_budget=8)
+  assert again.stats['compile_s'] > 0 and again.ids == first.ids
