@@ -82,6 +82,9 @@ class _Decoder:
     stats['decode_tokens_per_s'] = 6 / stats['decode_s']
     return type('G', (), {'ids': ids, 'stats': stats})()
 
+  def drop_programs(self):
+    self.calls.append(('dropped',))
+
 
 def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
   """Prompt-major turns, every call padded to the set's longest prompt (chat marker included),
@@ -93,6 +96,10 @@ def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
   runs = (('ar', 'ar', {}), ('pld', 'pld', {}), ('auto', 'auto', {}))
   out = reproduce.lossless_rows(dec, 'trees', {'s1': (['a', 'bb', 'ccc'], True),
                                                's2': (['ddddd'], False)}, runs, 6)
+  # each set's programs are dropped after it (its prompt width is its own)
+  dropped = [i for i, call in enumerate(dec.calls) if call == ('dropped',)]
+  assert dropped == [12, 17]
+  dec.calls = [call for call in dec.calls if call != ('dropped',)]
   order = [(prompt, method) for prompt, method, *_ in dec.calls]
   assert order == [(p, m) for p in ('a', 'bb', 'ccc', 'ddddd') for m in ('ar', 'pld', 'auto', 'ar')]
   assert [width for _, _, width, _, _ in dec.calls] == [4] * 12 + [5] * 4
@@ -110,7 +117,7 @@ def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
   dec = _Decoder()
   reproduce.lossless_rows(dec, 'sampled', {'s': (['a', 'bb'], True)}, runs[:2], 6,
                           sampling={'temperature': 0.7, 'top_p': 0.95, 'seed': 5})
-  assert [seed for _, _, _, seed, _ in dec.calls] == [5, 5, 5, 6, 6, 6]
+  assert [call[3] for call in dec.calls if call != ('dropped',)] == [5, 5, 5, 6, 6, 6]
   with pytest.raises(SystemExit, match='pld on s, prompt 1, changed the output'):
     reproduce.lossless_rows(_Decoder(wrong='bb'), 'trees', {'s': (['a', 'bb'], True)},
                             runs[:2], 6)
