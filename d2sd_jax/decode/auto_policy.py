@@ -80,7 +80,7 @@ class Policy:
     while True:
       measured, spent = time_candidate(self.options_of(timed[-1]), timed[-1])
       compile_s += spent
-      self.record.learn(measured, batch, label=timed[-1])
+      self.record.learn(measured, batch, label=timed[-1], opening=True)
       pick = self.record.auto_choice
       if pick in timed or len(timed) == TIMED_FIRST:
         break

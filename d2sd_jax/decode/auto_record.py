@@ -59,7 +59,7 @@ class Record:
   """One remembered choice. auto_candidates: {label: {'method', 'spec', 'tau', ...,
   'predicted_tokens_per_s' (or 'predicted_tokens_per_ar_step' from a prior alone)}};
   measured: {label: the totals `learn` keeps (decode_tokens, cycles, decode_s, decode_steps,
-  unit_s)}."""
+  unit_s; opening: True while only the policy's timed openings measured it)}."""
   auto_choice: str
   auto_candidates: dict[str, dict]
   predicted_tokens_per_s: float | None = None  # (None: from a prior alone, in tokens per AR step)
@@ -135,7 +135,7 @@ class Record:
         'decode_steps', 0) < MIN_PROBE_CYCLES
 
   def learn(self, measured: dict, batch: int, label: str | None = None,
-            margin: float = 1.0) -> Record:
+            margin: float = 1.0, opening: bool = False) -> Record:
     """After a decode (or one batch of a request) chosen from a prior: what it measured of the
     chosen candidate, or of `label` (`measured`: decode_tokens, cycles, decode_s, decode_steps;
     with prompt_ids and completion_ids, what prompt lookup would take on them) is added to
@@ -162,11 +162,13 @@ class Record:
     - prompt lookup's τ, measured or not, is what it would have taken on every batch's outputs
       so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends
       on how much the request repeats itself, which no prior knows;
-    - an untimed adaptive tree that takes lookup-only cycles (`takes_lookup_cycles`) is
+    - an adaptive tree that takes lookup-only cycles (`takes_lookup_cycles`), untimed or timed
+      on openings alone (`opening`: the policy's first AR_TIMING_TOKENS tokens of a prompt), is
       predicted at least prompt lookup's tokens/s: its cycles verify lookup's proposal alone
       whenever that promises more than drafting (what a repetitive request shows through
-      prompt lookup's τ, which the drafters' scale cannot). On a tie it ranks first; once it
-      decodes, its own measurement predicts it.
+      prompt lookup's τ, which the drafters' scale cannot). An opening under-measures it: its
+      first cycles draft before its running lookup rate has anything to compare. On a tie it
+      ranks first; once it decodes a whole batch, its own measurement predicts it.
 
     The choice becomes whichever now predicts fastest, if it predicts at least `margin` times
     the tokens/s of the choice so far (auto_policy.SWITCH_MARGIN after a decoded batch: the
@@ -189,6 +191,8 @@ class Record:
              for k in ('decode_tokens', 'cycles', 'decode_s', 'decode_steps')}
     # the seconds it would have taken at machine 1: the program's own cost
     entry['unit_s'] = measured['decode_s'] / machine + (RECENCY * old['unit_s'] if old else 0)
+    if opening and (old is None or old.get('opening')):
+      entry['opening'] = True  # (only the policy's timed openings have measured it so far)
     self.measured[label] = entry
     self.machine = machine
     if table[label]['method'] not in ('ar', 'pld'):
@@ -231,12 +235,13 @@ class Record:
                  predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch),
                                               2))
     # an adaptive tree that takes lookup-only cycles verifies prompt lookup's proposal alone
-    # whenever that promises more: untimed, it predicts at least what prompt lookup does (and
-    # wins the tie, being the one of the two that also drafts where lookup fails)
+    # whenever that promises more: untimed or timed on an opening, it predicts at least what
+    # prompt lookup does (and wins the tie, being the one of the two that also drafts where
+    # lookup fails)
     lookup_rate = max((row['predicted_tokens_per_s'] for row in table.values()
                        if row['method'] == 'pld'), default=0.0)
     for name, row in table.items():
-      if name not in timed and takes_lookup_cycles(row):
+      if takes_lookup_cycles(row) and (name not in timed or timed[name].get('opening')):
         row['predicted_tokens_per_s'] = max(row['predicted_tokens_per_s'], lookup_rate)
     rate = lambda k: table[k]['predicted_tokens_per_s']
     best = max(table, key=lambda k: (rate(k), takes_lookup_cycles(table[k])))

@@ -151,3 +151,37 @@ def test_a_hard_opening_does_not_hand_the_request_to_ar(tmp_path, monkeypatch, p
     assert policy.label == 'd2sd_tree(N=8)'
   else:
     assert table['d2sd_tree(N=8)']['tau'] == 1.5 and policy.label == 'ar'
+
+
+def test_an_adaptive_trees_opening_below_prompt_lookup_does_not_hand_it_the_request(tmp_path):
+  """On a request that repeats its prompt, AR's timing tokens show prompt lookup taking far
+  more than its prior said, and the adaptive tree (which verifies lookup's proposal alone when
+  that promises more) is timed next. Its opening measures below prompt lookup's prediction (its
+  first cycles draft before it has a rate to weigh lookup against): that is the opening, not
+  the request, so it decodes the first batch and prompt lookup is not timed. The batch it
+  decodes is its measurement: below prompt lookup by the margin, the next batch is lookup's."""
+  rows = {**ROWS, 'adaptive': ('d2sd_tree', 2.0, 1.8)}
+  lines = []
+  policy = prior_policy(tmp_path, lines, rows)
+  policy.record.auto_candidates['adaptive']['spec'] = {'adaptive': True, 'tree_budget': 32}
+  policy.record.auto_choice = policy.label = 'adaptive'
+  prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+  repeat = {'prompt_ids': [prompt], 'completion_ids': [prompt]}  # lookup takes it all
+  figures = {'ar': batch(32, 32, 1.6, steps=32), 'adaptive': batch(32, 16, 16 * 0.09),
+             'pld': batch(32, 8, 8 * 0.05)}
+  calls = []
+
+  def time_candidate(options, label):
+    calls.append(label)
+    return {**figures[label], **repeat}, 0.0
+  policy.time_first(time_candidate, batch=1)
+  table = policy.record.auto_candidates
+  # the opening as measured: 2 tokens a cycle of 90 ms, 22 tokens/s (unshrunk), far below
+  # what prompt lookup predicts now
+  assert 32 / 16 / 0.09 < table['pld']['predicted_tokens_per_s'] / 1.5
+  assert calls == ['ar', 'adaptive'] and policy.label == 'adaptive'
+  assert policy.record.measured['adaptive']['opening']
+  # a whole batch measured the same: its measurement rules, and prompt lookup decodes next
+  policy.observe({**batch(96, 48, 48 * 0.09), **repeat}, prompts=1, batch=1, more=True)
+  assert 'opening' not in policy.record.measured['adaptive']
+  assert policy.label == 'pld' and len(lines) == 1

@@ -488,10 +488,10 @@ def test_a_prior_applies_only_to_its_drafters_platform_and_settings_nearest_batc
   assert autoconfig.from_prior(target, {'drafter1': d1}, options, 1, path) is None
 
 
-def learn(path, measured: dict, batch: int, label=None) -> auto_record.Record:
+def learn(path, measured: dict, batch: int, label=None, opening=False) -> auto_record.Record:
   """Record.learn on the record saved at `path`, saved back (as auto_policy.Policy does)."""
   record = auto_record.Record.load(str(path))
-  record.learn(measured, batch, label)
+  record.learn(measured, batch, label, opening=opening)
   record.save(str(path))
   return record
 
@@ -636,7 +636,8 @@ def test_learn_predicts_an_untimed_adaptive_tree_at_least_prompt_lookups_rate(tm
   """An adaptive d2sd_tree takes lookup-only cycles when they promise more, so once a request
   shows prompt lookup taking far more than its prior said, the untimed adaptive tree predicts
   prompt lookup's tokens/s and is chosen over prompt lookup itself; one with lookup_cycles off
-  is not. Timed, its own measurement predicts it."""
+  is not. Timed on an opening alone, the bound still holds; timed on a batch, its own
+  measurement predicts it."""
   path = tmp_path / 'r.json'
   rows = {'ar': ('ar', 1.0, 1.0), 'pld': ('pld', 1.3, 1.4),
           'd2sd_tree(N=8)': ('d2sd_tree', 2.0, 1.7),
@@ -662,11 +663,22 @@ def test_learn_predicts_an_untimed_adaptive_tree_at_least_prompt_lookups_rate(tm
   assert table['d2sd_tree(adaptive, no lookup)']['predicted_tokens_per_s'] < pld_rate
   assert table['d2sd_tree(adaptive)']['predicted_tokens_per_s'] == pld_rate
   assert rec.auto_choice == 'd2sd_tree(adaptive)'
-  # it decodes, and measures below prompt lookup's prediction: its measurement rules
-  rec = learn(str(path), {'decode_tokens': 40, 'cycles': 20, 'decode_s': 2.0,
-                          'decode_steps': 20, **repeat}, 1)
+  # the policy times its opening, below prompt lookup's prediction: an opening is not the
+  # request (its first cycles draft before it has a rate to weigh lookup against), so the
+  # bound holds and it keeps the choice
+  below = {'decode_tokens': 40, 'cycles': 20, 'decode_s': 2.0, 'decode_steps': 20, **repeat}
+  rec = learn(str(path), below, 1, opening=True)
   table = rec.auto_candidates
   assert table['d2sd_tree(adaptive)']['measured']
+  assert shrunk(40, 20, 1.9) / 0.1 < table['pld']['predicted_tokens_per_s']
+  assert table['d2sd_tree(adaptive)']['predicted_tokens_per_s'] == table['pld'][
+      'predicted_tokens_per_s']
+  assert rec.auto_choice == 'd2sd_tree(adaptive)'
+  # it decodes a whole batch, and measures below prompt lookup's prediction: its measurement
+  # rules (the opening's totals weighed by RECENCY)
+  rec = learn(str(path), below, 1)
+  table = rec.auto_candidates
+  assert 'opening' not in rec.measured['d2sd_tree(adaptive)']
   assert table['d2sd_tree(adaptive)']['predicted_tokens_per_s'] == pytest.approx(
-      shrunk(40, 20, 1.9) / 0.1, abs=0.01)
+      shrunk(60, 30, 1.9) / 0.1, abs=0.01)
   assert rec.auto_choice == 'pld'
