@@ -10,7 +10,7 @@ Per batch, after a prefill of --context random tokens, each program runs
 costmodel.LOOP_ITERS times in one jitted lax.fori_loop, its state updated in place as in the
 decode loop (costmodel.loop_program; the median of --repeats):
   ar     one AR step (ar.decode_step), against its memory roofline: the bytes it must read
-         (the floor of d2sd_jax/perf/compiled.py: the target's weights, its LM head, the
+         (the floor of d2sd_jax/perf/floors.py: the target's weights, its LM head, the
          embedding rows and the KV over the context) over the chip's bandwidth
          (costmodel.CHIPS: --chip, or the device's kind) and over the bandwidth an XLA
          reduction reaches here;
@@ -43,6 +43,8 @@ from d2sd_jax import files  # pylint: disable=wrong-import-position
 from d2sd_jax.models import drafter as drafter_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as model_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import floors  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import tpu_records  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 from d2sd_jax.spec_decode import ar  # pylint: disable=wrong-import-position
 from d2sd_jax.spec_decode import speculative as SP  # pylint: disable=wrong-import-position
@@ -110,14 +112,14 @@ def time_programs(bundle: dict, tcfg, dcfg, batch: int, context: int, repeats: i
 
 
 def floors_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
-  """Bytes each program must read at the least, on one device (compiled.floors)."""
+  """Bytes each program must read at the least, on one device (perf/floors.py)."""
   mesh = C.sharding.make_mesh(1, 1, jax.devices()[:1])
   gen = C.generation_settings(16)
-  out = {'ar': sum(C.floors('step', tcfg, {}, None, mesh, batch, context).values())}
+  out = {'ar': sum(floors.floors('step', tcfg, {}, None, mesh, batch, context).values())}
   for method in METHODS:
     spec = spec_for(method, dcfg, gen)
     dcfgs = {n: dcfg for n in spec.drafters}
-    out[method] = sum(C.floors('step', tcfg, dcfgs, spec, mesh, batch, context).values())
+    out[method] = sum(floors.floors('step', tcfg, dcfgs, spec, mesh, batch, context).values())
   return out
 
 
@@ -132,9 +134,9 @@ def predictions(tcfg, dcfg, chip: str | None, batch: int, context: int, target: 
                               sizes=sorted({1, 16} | {s.tree_size for s in specs}))
     out['roofline'] = {'chip': chip, 'ar': costs.ar_step,
                        **{m: costs.cycle(s) for m, s in zip(METHODS, specs)}}
-  kept = C.recorded(TPU_RECORD, 'TPU v5p', target, 'paper', batch, context)
+  kept = tpu_records.recorded(TPU_RECORD, 'TPU v5p', target, 'paper', batch, context)
   if kept is not None:
-    est = C.step_estimates(kept)
+    est = tpu_records.step_estimates(kept)
     out['tpu_compiler_ar_steps'] = {
         m: est[m] / est['ar'] for m in METHODS if m in est and 'ar' in est}
     out['tpu_compiler_ar_steps']['libtpu'] = kept.get('toolchain', {}).get('libtpu')

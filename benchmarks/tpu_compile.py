@@ -19,7 +19,7 @@ model axis); the training step uses its config's mesh, as train.py does.
 Per method it compiles the prefill (the prompt block of --context tokens), the step (one AR step
 or one speculative cycle, on the state the prefill hands over, donated as in the loop) and the
 whole decode while_loop; with --train, one train.py step. For each it prints compile seconds,
-per-device bytes accessed against the floor (d2sd_jax/perf/compiled.py: weights used + KV
+per-device bytes accessed against the floor (d2sd_jax/perf/floors.py: weights used + KV
 attended + head rows), flops, memory (arguments + temporaries + outputs) against the chip's HBM,
 collectives, and a time estimate (the compiler's own on one chip, else a roofline), then the
 speed-ups over AR at the paper's acceptance lengths beside the paper's H200 measurements.
@@ -41,6 +41,8 @@ from ml_collections import config_flags  # pylint: disable=wrong-import-position
 
 from d2sd_jax import files  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import floors  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import tpu_records  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import costmodel  # pylint: disable=wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,7 +188,7 @@ def accelerator_tables(kept: dict) -> str:
     if (result['target'], result['drafters'], result['batch'], result['context']) != (
         'qwen3-8b', 'paper', 1, 1024):
       continue
-    est = C.step_estimates(result)
+    est = tpu_records.step_estimates(result)
     if not {'ar', 'dflash', 'd2sd'} <= set(est):
       continue
     src = ("TPU compiler's estimate" if result['n_devices'] == 1 else
@@ -232,7 +234,7 @@ def accelerator_tables(kept: dict) -> str:
   for result in kept.values():
     if result['target'] != 'smollm2' or result['batch'] != 1:
       continue
-    est = C.step_estimates(result)
+    est = tpu_records.step_estimates(result)
     for method in methods:
       if method in est and 'ar' in est and method in taus:
         rows.append(f"| {result['chip']} | {method} | {taus[method]:.2f} | "
@@ -249,7 +251,7 @@ def accelerator_tables(kept: dict) -> str:
 def breakeven_tables(kept: dict) -> list[str]:
   """Where speculation stops paying: for each chip, mesh, target and drafters kept at more
   than one batch, every method's cycle in AR steps at each batch (the τ above which it beats
-  AR; compiled.breakeven), and at the paper's τ the predicted speed-up."""
+  AR; tpu_records.breakeven), and at the paper's τ the predicted speed-up."""
   groups = {}
   for r in kept.values():
     if r['methods'] and 'ar' in r['methods']:
@@ -260,7 +262,7 @@ def breakeven_tables(kept: dict) -> list[str]:
   for (chip, topology, mesh, target, drafters, context), batches in groups.items():
     if len(batches) < 2:
       continue
-    table = C.breakeven(kept, chip, target, drafters, mesh, context)
+    table = tpu_records.breakeven(kept, chip, target, drafters, mesh, context)
     methods = sorted({m for row in table.values() for m in row})
     paper = drafters == 'paper'
     out += [f'**Where speculation stops paying: {target} on {topology} (mesh {mesh}), drafters '
@@ -309,7 +311,7 @@ def run() -> dict:
     trained = C.compile_all([C.train_program(config, train_tcfg, train_mesh, training)], chip,
                             train_mesh.size, log=lambda s: print(s, flush=True), xla=xla)
     rows += [{**r, 'mesh': dict(train_mesh.shape)} for r in trained]
-  kv = C.floors('step', tcfg, dcfgs, None, mesh, FLAGS.batch, FLAGS.context)['target KV']
+  kv = floors.floors('step', tcfg, dcfgs, None, mesh, FLAGS.batch, FLAGS.context)['target KV']
   speedups, withheld = C.paper_speedups(rows, dcfgs)
   return {
       'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), 'machine': costmodel.machine(device=False),
@@ -343,7 +345,7 @@ def main(argv):
   if FLAGS.json:
     files.write_json(FLAGS.json, result)
   if FLAGS.record:
-    C.record(RECORD, result)
+    tpu_records.record(RECORD, result)
 
 
 if __name__ == '__main__':

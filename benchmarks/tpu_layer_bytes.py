@@ -36,6 +36,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 from d2sd_jax.kernels import fused  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
+from d2sd_jax.perf import hlo  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('topology', 'v5p:1x1x1', 'one TPU chip, e.g. v5p:1x1x1, v5e:1x1')
@@ -110,7 +111,7 @@ def main(argv):
   for T in (int(t) for t in FLAGS.tokens.split(',')):
     for name, (fn, args, donate, must) in parts(cfg, T, FLAGS.context).items():
       lowered = jax.jit(fn, donate_argnums=donate).lower(*placed(args))
-      cost = C._cost(lowered.compile(options))  # pylint: disable=protected-access
+      cost = hlo.cost_analysis(lowered.compile(options))
       got = float(cost.get('bytes accessed', 0.0))
       print(f'{T:>4} {name:10} {got / 1e6:9.1f} {must / 1e6:10.1f} {(got - must) / 1e6:9.1f}',
             flush=True)

@@ -17,6 +17,7 @@ import os
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats.drafters import load_drafter
 from d2sd_jax.perf import compiled
+from d2sd_jax.perf import tpu_records
 from d2sd_jax.perf import costmodel
 from d2sd_jax.perf import throughput
 from d2sd_jax.spec_decode import ar
@@ -76,7 +77,7 @@ def main():
                                      n_branches=4)}
     chip = costmodel.CHIPS[args.chip]
     if chip.name.startswith('TPU'):
-      kept = compiled.recorded(RECORD, chip.name, args.target, 'paper', args.batch, args.context)
+      kept = tpu_records.recorded(RECORD, chip.name, args.target, 'paper', args.batch, args.context)
       if kept is not None:
         print_compiled(kept, args.tau)
         return
@@ -99,7 +100,7 @@ def main():
 
 def print_compiled(kept: dict, tau_pairs: str) -> None:
   """TPU cycle costs from the TPU compiler's estimates (benchmarks/tpu_compile.py --record)."""
-  est = compiled.step_estimates(kept)
+  est = tpu_records.step_estimates(kept)
   print(f"{kept['chip']} ({kept['topology']}, mesh {kept['mesh']}), {kept['target']}, batch "
         f"{kept['batch']}, context {kept['context']}: the TPU compiler's estimates, libtpu "
         f"{kept.get('toolchain', {}).get('libtpu') or 'not recorded'} "
@@ -121,7 +122,7 @@ def print_breakeven(args) -> None:
   chip = costmodel.CHIPS[args.chip].name
   with open(RECORD) as f:
     kept = json.load(f)
-  table = compiled.breakeven(kept, chip, args.target, args.drafters, args.mesh, args.context)
+  table = tpu_records.breakeven(kept, chip, args.target, args.drafters, args.mesh, args.context)
   if not table:
     raise SystemExit(f'no compiled {chip} figures for {args.target} with drafters '
                      f'{args.drafters}, mesh {args.mesh}, context {args.context} in '

@@ -14,40 +14,16 @@ single weight. What runs is compiled as the decode runners compile it:
   train_step  train.py's jitted step (training.make_train_step) on a drafter config.
 The speculative programs take the bundle as speculative.prepare makes it (drafter.for_decoding).
 
-Each compiled program reports (`figures`), per device: the compiler's flops and bytes accessed
-(cost_analysis; on TPU they count every memory space, VMEM prefetches included), its memory
-(memory_analysis: arguments, temporaries, outputs), the collectives in its HLO (count, bytes,
-and whether any gathers a weight), and a time estimate: the compiler's own `optimal_seconds`
-on one chip; on several it comes back negative, so there the roofline
-max(flops / peak, bytes / HBM bandwidth) + collective bytes / ICI bandwidth from the chip's
-vendor figures (`TPU_CHIPS`).
-
-The floor (`floors`, `ideal_bytes_per_device`) is what a memory-bound program must read per
-device at the least: the weights it uses, the KV it attends to and the LM-head rows it
-projects, each divided by the mesh axes that split it (the sharding rules; a dimension an axis
-does not divide is counted whole, as it is stored):
-  AR step   target layers + final norm + LM head (V·D: its one row is a matrix-vector product
-            over every row of the head) + B embedding rows + the target KV over `context`
-            tokens (2 · L · B · Hkv · context · hd · cache itemsize);
-  cycle     the AR step's floor with T embedding rows per row instead of 1 (verification), plus,
-            per drafter pass of the method (drafting.drafter_passes: dflash one, d2sd two,
-            dflash_dflash drafter 1 twice): the drafter's layers, final norm and mask
-            embedding, its head (head_rows [n, D], or the target's whole head) and its context KV
-            over `context` tokens; plus, per drafter, what the commit reads to write the
-            accepted tokens' context: fc, fc_norm and each layer's key/value rows (wkv, k_norm);
-  prefill   the target as in the AR step with B·P embedding rows, the whole target cache it
-            creates (every slot is written), and per drafter its context weights (fc, fc_norm,
-            wkv, k_norm) and its whole context cache;
-  loop      one iteration: the step's floor (the compiler costs a while loop's body once);
-  train_step  none: training is compute-bound, bytes are not what bounds it.
-Activations (a few rows of D per token) are left out: at these shapes they are < 0.1 % of it.
+Each compiled program reports, per device, what the compiler says of it (`perf/hlo.py`'s
+`figures`: flops, bytes accessed, memory, collectives and a time estimate) beside its floor,
+what a memory-bound program must read per device at the least (`perf/floors.py`). Results are
+kept by `perf/tpu_records.py`.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import re
 import time
@@ -55,9 +31,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from d2sd_jax import files
 from d2sd_jax.formats import loaders
 from d2sd_jax.formats import drafters as drafter_formats
 from d2sd_jax.models import drafter as drafter_lib
@@ -65,6 +39,8 @@ from d2sd_jax.models import sharding
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import xla_options
 from d2sd_jax.perf import costmodel
+from d2sd_jax.perf import floors as floors_lib
+from d2sd_jax.perf import hlo
 from d2sd_jax.spec_decode import ar
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import speculative as SP
@@ -323,9 +299,9 @@ def decode_programs(tcfg, dcfgs: dict, methods, mesh, batch: int = 1, context: i
       cache_size = SP.cache_size_needed(context, spec)
     out.append(Program('prefill', label, prefill,
                        (params, tcfg, settings, block, lens, keys, cache_size), (1, 2, 6),
-                       floor=floors('prefill', tcfg, dcfgs, spec, mesh, batch, context,
+                       floor=floors_lib.floors('prefill', tcfg, dcfgs, spec, mesh, batch, context,
                                     cache_size)))
-    step_floor = floors('step', tcfg, dcfgs, spec, mesh, batch, context)
+    step_floor = floors_lib.floors('step', tcfg, dcfgs, spec, mesh, batch, context)
     for name, fn in (('step', step), ('loop', loop))[:2 if loops else 1]:
       # (the state, argument 3, comes from the prefill: `compile_all`)
       out.append(Program(name, label, fn, (params, tcfg, settings, None), (1, 2), (3,),
@@ -378,202 +354,6 @@ def _like_params(opt_state, params, mesh):
   return jax.tree_util.tree_map_with_path(leaf, opt_state)
 
 
-# ----------------------------------------------------------------------------------------------
-# Floors
-
-
-def _leaf_bytes(x, axes, mesh) -> int:
-  spec = sharding.spec_for(x.shape, axes, mesh)
-  split = math.prod(mesh.shape[a] for a in spec if a)
-  return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize // split
-
-
-def _tree_bytes(tree, axes_by_name, mesh, keep=lambda name: True) -> int:
-  total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = [e.key for e in path if isinstance(e, jax.tree_util.DictKey)][-1]
-    if keep(name):
-      total += _leaf_bytes(x, axes_by_name[name], mesh)
-  return total
-
-
-def _kv_bytes(layers, batch, kv_heads, tokens, head_dim, dtype, mesh) -> int:
-  """K and V of `tokens` slots per device, split as a cache [B, Hkv, S, hd] is best split:
-  rows over 'data', KV heads over 'model' (where they divide)."""
-  rows = batch // mesh.shape['data'] if batch % mesh.shape['data'] == 0 else batch
-  heads = kv_heads // mesh.shape['model'] if kv_heads % mesh.shape['model'] == 0 else kv_heads
-  return 2 * layers * rows * heads * tokens * head_dim * jnp.dtype(dtype).itemsize
-
-
-def floors(program: str, tcfg, dcfgs: dict, spec, mesh, batch: int, context: int,
-           cache_size: int | None = None) -> dict:
-  """{part: bytes per device} of a program's floor (the module docstring has the rules)."""
-  tparams = jax.eval_shape(lambda: model_lib.init_params(tcfg, jax.random.PRNGKey(0)))
-  TA = sharding.TARGET_AXES
-  head = 'embed' if tcfg.tie_embeddings else 'lm_head'
-  itemsize = tcfg.jnp_dtype.itemsize
-  rows = {'prefill': context, 'step': spec.tree_size if spec else 1}[program]
-  parts = {
-      'target weights': _tree_bytes(tparams, TA, mesh, lambda n: n not in ('embed', 'lm_head')),
-      'target head': _tree_bytes({head: tparams[head]}, TA, mesh),
-      'embedding rows': batch * rows * tcfg.d_model * itemsize,
-  }
-  if program == 'prefill':
-    parts['target cache'] = _kv_bytes(tcfg.n_layers, batch, tcfg.n_kv_heads, cache_size,
-                                      tcfg.head_dim, tcfg.cache_dtype, mesh)
-  else:
-    parts['target KV'] = _kv_bytes(tcfg.n_layers, batch, tcfg.n_kv_heads, context,
-                                   tcfg.head_dim, tcfg.cache_dtype, mesh)
-  if spec is None:
-    return parts
-  DA = sharding.DRAFTER_AXES
-  context_weights = ('fc', 'fc_norm', 'wkv', 'k_norm')  # what writes the drafter's context
-  for name in spec.drafters:
-    dcfg = getattr(spec, name)
-    prepared = jax.eval_shape(
-        lambda t, dc=dcfg: drafter_lib.for_decoding(
-            drafter_lib.init_params(dc, tcfg, jax.random.PRNGKey(0)), t, tcfg), tparams)
-    prepared = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, jnp.dtype(dcfg.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
-        prepared)
-    lcfg = dcfg.layer_config(1)
-    ctx_weights = _tree_bytes(prepared, DA, mesh, lambda n: n in context_weights)
-    if program == 'prefill':
-      parts[f'{name} context weights'] = ctx_weights
-      parts[f'{name} context cache'] = _kv_bytes(dcfg.n_layers, batch, dcfg.n_kv_heads,
-                                                 cache_size, dcfg.head_dim, lcfg.cache_dtype,
-                                                 mesh)
-      continue
-    passes = drafting.drafter_passes(spec).count(name)
-    layer_weights = _tree_bytes(prepared, DA, mesh, lambda n: n not in context_weights + (
-        'head_rows', 'head_ids'))
-    head_bytes = (_tree_bytes({'head_rows': prepared['head_rows']}, DA, mesh)
-                  if 'head_rows' in prepared else parts['target head'])
-    kv = _kv_bytes(dcfg.n_layers, batch, dcfg.n_kv_heads, context, dcfg.head_dim,
-                   lcfg.cache_dtype, mesh)
-    parts[f'{name} passes x{passes}: layers'] = passes * layer_weights
-    parts[f'{name} passes x{passes}: head'] = passes * head_bytes
-    parts[f'{name} passes x{passes}: context KV'] = passes * kv
-    parts[f'{name} context write'] = ctx_weights
-  return parts
-
-
-# ----------------------------------------------------------------------------------------------
-# What the compiler says
-
-
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4,
-                's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
-_SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$')
-
-
-def _type_bytes(text: str) -> int:
-  return sum(math.prod(int(d) for d in dims.split(',') if d) * _DTYPE_BYTES[dt]
-             for dt, dims in _SHAPE.findall(text))
-
-
-_LAYOUT_OPS = ('bitcast', 'copy', 'convert', 'reshape', 'transpose', 'copy-start', 'copy-done',
-               'slice', 'dynamic-slice', 'get-tuple-element', 'parameter', 'constant', 'tuple')
-
-
-def collectives(hlo: str) -> dict:
-  """The collectives of a compiled (partitioned) HLO module: {'count', 'bytes', 'by_kind':
-  {kind: {'count', 'bytes'}}, 'weight_gathers': [all-gathers / all-to-alls whose operand is a
-  weight parameter, through layout ops and fusions of layout ops only: a weight moved, not an
-  activation computed from it]}. Bytes are each collective's result (an async '-start' counted
-  once)."""
-  defs = {}  # instruction name -> (opcode, operand names, fused computation)
-  params = {}
-  fused_ops = {}  # computation name -> opcodes in it
-  ops = []
-  computation = None
-  for line in hlo.split('\n'):
-    head = re.match(r'^(?:ENTRY )?%([\w.\-]+) \(.*\{$', line)
-    if head:
-      computation = head.group(1)
-      fused_ops[computation] = set()
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, type_text, opcode, rest = m.groups()
-    if computation is not None:
-      fused_ops[computation].add(opcode)
-    operands = re.findall(r'%([\w.\-]+)', rest.split('),')[0])
-    calls = re.search(r'calls=%([\w.\-]+)', rest)
-    defs[name] = (opcode, operands, calls.group(1) if calls else None)
-    if opcode == 'parameter':
-      params[name] = line
-    kind = opcode[:-len('-start')] if opcode.endswith('-start') else opcode
-    if kind in COLLECTIVES:
-      # an async start's type is (operands..., results...): count the results' half
-      nbytes = _type_bytes(type_text)
-      if opcode.endswith('-start') and type_text.startswith('('):
-        nbytes //= 2
-      ops.append((kind, name, nbytes))
-
-  def reaches_weight(name, depth=0):
-    if name in params:
-      return re.search(r'op_name="params', params[name]) is not None
-    opcode, operands, called = defs.get(name, ('', [], None))
-    if depth > 8:
-      return False
-    if opcode == 'fusion':
-      if not fused_ops.get(called, {'?'}) <= set(_LAYOUT_OPS):
-        return False
-    elif opcode not in _LAYOUT_OPS:
-      return False
-    return any(reaches_weight(o, depth + 1) for o in operands)
-
-  by_kind = {}
-  gathers = []
-  for kind, name, nbytes in ops:
-    entry = by_kind.setdefault(kind, {'count': 0, 'bytes': 0})
-    entry['count'] += 1
-    entry['bytes'] += nbytes
-    if kind in ('all-gather', 'all-to-all') and any(reaches_weight(o) for o in defs[name][1]):
-      gathers.append(name)
-  return {'count': len(ops), 'bytes': sum(b for _, _, b in ops), 'by_kind': by_kind,
-          'weight_gathers': gathers}
-
-
-def _cost(compiled) -> dict:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0]
-  return dict(cost or {})
-
-
-def figures(compiled, chip: TpuChip, n_devices: int) -> dict:
-  """Per-device figures of a compiled program (module docstring)."""
-  cost = _cost(compiled)
-  mem = compiled.memory_analysis()
-  coll = collectives(compiled.as_text())
-  flops = float(cost.get('flops', 0.0))
-  nbytes = float(cost.get('bytes accessed', 0.0))
-  optimal = float(cost.get('optimal_seconds', -1.0))
-  roofline = max(flops / chip.peak_flops, nbytes / chip.hbm_bandwidth) + (
-      coll['bytes'] / chip.ici_bandwidth)
-  use_compiler = n_devices == 1 and optimal > 0
-  memory = {'arguments': int(mem.argument_size_in_bytes),
-            'temporaries': int(mem.temp_size_in_bytes),
-            'outputs': int(mem.output_size_in_bytes),
-            'aliased': int(mem.alias_size_in_bytes)}
-  total = memory['arguments'] + memory['temporaries'] + memory['outputs']
-  return {
-      'flops_per_device': flops, 'bytes_per_device': nbytes,
-      'memory': memory, 'memory_bytes_per_device': total,
-      'fits': total <= chip.hbm_bytes, 'hbm_bytes': chip.hbm_bytes,
-      'collectives': coll,
-      'optimal_seconds': optimal if optimal > 0 else None,
-      'roofline_s': roofline,
-      'estimate_s': optimal if use_compiler else roofline,
-      'estimate_source': 'compiler' if use_compiler else 'roofline',
-  }
-
-
 def compile_program(p: Program, chip: TpuChip, n_devices: int, xla: dict | None = None):
   """(JSON-ready figures, the compiled object) of one program, compiled with the compiler
   options of its devices' platform (models/xla_options.py) updated by `xla`."""
@@ -586,7 +366,7 @@ def compile_program(p: Program, chip: TpuChip, n_devices: int, xla: dict | None 
          # model.linear's CPU-only column form is these programs' only optimization barrier
          # (counted before compiling: the TPU compiler removes barriers from its output)
          'cpu_only_forms': lowered.as_text().count('optimization_barrier'),
-         **figures(compiled, chip, n_devices)}
+         **hlo.figures(compiled, chip, n_devices)}
   if p.floor is not None:
     row['ideal_bytes_per_device'] = sum(p.floor.values())
     row['ideal_parts'] = p.floor
@@ -626,9 +406,9 @@ def weights_bytes_per_device(tcfg, dcfgs: dict, methods, mesh) -> int:
   """The target and every drafter the methods use, as decoding holds them (prepared)."""
   names = sorted({n for m in methods if m != 'ar' for n in drafting.get(method_of(m)[0]).drafters})
   bundle = decoding_bundle(tcfg, dcfgs, names, mesh)
-  total = _tree_bytes(bundle['target'], sharding.TARGET_AXES, mesh)
+  total = floors_lib.tree_bytes(bundle['target'], sharding.TARGET_AXES, mesh)
   for name in names:
-    total += _tree_bytes(bundle[name], sharding.DRAFTER_AXES, mesh)
+    total += floors_lib.tree_bytes(bundle[name], sharding.DRAFTER_AXES, mesh)
   return total
 
 
@@ -664,59 +444,3 @@ def mesh_of(devices, spec: str):
       raise ValueError(f'--mesh {spec!r}: write data=D,model=M (e.g. data=1,model=8)')
     sizes[key] = int(value)
   return sharding.make_mesh(sizes['data'], sizes['model'], devices)
-
-
-def record_key(result: dict) -> str:
-  """What a kept result is looked up by: chip, target, drafters, mesh, batch and context."""
-  mesh = 'x'.join(str(result['mesh'][a]) for a in ('data', 'model'))
-  return (f"{result['chip']}|{result['target']}|{result['drafters']}|mesh={mesh}|"
-          f"batch={result['batch']}|context={result['context']}")
-
-
-def record(path: str, result: dict) -> None:
-  """Keeps `result` in the JSON file at `path` under `record_key` (other entries stay)."""
-  kept = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      kept = json.load(f)
-  kept[record_key(result)] = result
-  files.write_json(path, kept)
-
-
-def recorded(path: str, chip: str, target: str, drafters: str = 'paper', batch: int = 1,
-             context: int = 1024) -> dict | None:
-  """The kept result (`record`) for `chip` (a TpuChip name, e.g. 'TPU v5p'), target, drafters,
-  batch and context on the fewest devices, or None. `costmodel predict` takes TPU cycle costs
-  from it."""
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    kept = json.load(f)
-  fits = [r for r in kept.values() if (r['chip'], r['target'], r['drafters'], r['batch'],
-                                       r['context']) == (chip, target, drafters, batch, context)]
-  return min(fits, key=lambda r: r['mesh']['data'] * r['mesh']['model'], default=None)
-
-
-def step_estimates(result: dict) -> dict:
-  """{method: estimated seconds of its step (AR step or cycle)} of a result."""
-  return {p['method']: p['estimate_s'] for p in result['programs']
-          if p.get('compiled') and p['name'] == 'step'}
-
-
-def breakeven(kept: dict, chip: str, target: str, drafters: str = 'paper', mesh: str = '1x1',
-              context: int = 1024) -> dict:
-  """{batch: {method: its cycle in AR steps}} of every kept result (`record`) for this chip,
-  target, drafters, mesh ('DATAxMODEL') and context. A cycle of c AR steps commits τ tokens per
-  row where AR commits c: the method beats AR exactly where its τ exceeds c, at that batch.
-  As the batch grows, the AR step stays bound by the weights while a cycle's verification
-  reads more per row, so c rises and speculation stops paying where τ falls below it."""
-  out = {}
-  for result in kept.values():
-    shape = f"{result['mesh']['data']}x{result['mesh']['model']}"
-    if (result['chip'], result['target'], result['drafters'], shape, result['context']) != (
-        chip, target, drafters, mesh, context):
-      continue
-    est = step_estimates(result)
-    if 'ar' in est:
-      out[result['batch']] = {m: s / est['ar'] for m, s in est.items() if m != 'ar'}
-  return dict(sorted(out.items()))

@@ -187,9 +187,9 @@ def check_split_residual():
     got = program(split, split_cache)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * float(jnp.abs(w).max()))
-  from d2sd_jax.perf import compiled as C  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.perf import hlo  # pylint: disable=import-outside-toplevel
   text = program.as_text()
-  coll = C.collectives(text)['by_kind']
+  coll = hlo.collectives(text)['by_kind']
   # per layer two reduce-scatters of the partial sums, [1 row per data shard, 8 tokens, 128
   # columns], and two all-gathers of the normed rows, in the weights' dtype (float32 here;
   # bfloat16 on a TPU: tests/kernels/test_fused.py), then one of the stream, whole before the

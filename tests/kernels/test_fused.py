@@ -14,6 +14,7 @@ import pytest
 from d2sd_jax.kernels import fused
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
+from d2sd_jax.perf import hlo
 from tests.perf.test_compiled import LEAN, tpu_devices
 
 # pylint: disable=protected-access
@@ -168,7 +169,7 @@ def test_kernels_compile_split_over_a_model_parallel_mesh():
   compiled = _layer_program(tpu_devices('v5e:2x2'), 'data=1,model=4').compile()
   text = compiled.as_text()
   assert text.count('custom_call_target="tpu_custom_call"') >= 2
-  coll = C.collectives(text)
+  coll = hlo.collectives(text)
   assert not coll['weight_gathers'], coll
   assert coll['by_kind']['all-reduce']['count'] >= 1, coll
 
@@ -184,12 +185,12 @@ def test_kernels_split_the_residual_stream_where_the_model_axis_splits_the_layer
   values.)"""
   devices = tpu_devices('v5e:2x2')
   text = _layer_program(devices, 'data=1,model=4', n_heads=8, n_kv_heads=4).compile().as_text()
-  coll = C.collectives(text)
+  coll = hlo.collectives(text)
   assert not coll['weight_gathers'], coll
   assert len(re.findall(r'f32\[1,8,256\]\S* reduce-scatter', text)) == 2, coll
   assert len(re.findall(r'bf16\[1,8,1024\]\S* all-gather', text)) == 2, coll
   assert not re.search(r'f32\[1,8,1024\]\S* all-reduce', text), coll
   text = _layer_program(devices, 'data=1,model=4').compile().as_text()
-  coll = C.collectives(text)
+  coll = hlo.collectives(text)
   assert 'reduce-scatter' not in coll['by_kind'], coll
   assert len(re.findall(r'f32\[1,8,1024\]\S* all-reduce', text)) == 2, coll

@@ -28,6 +28,9 @@ from d2sd_jax.models import sampling
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.models import xla_options
 from d2sd_jax.perf import compiled as C
+from d2sd_jax.perf import floors
+from d2sd_jax.perf import hlo
+from d2sd_jax.perf import tpu_records
 from d2sd_jax.perf import costmodel
 from d2sd_jax.spec_decode import ar
 from d2sd_jax.spec_decode import speculative as SP
@@ -160,7 +163,7 @@ def test_floors_equal_a_hand_computation_from_the_shapes(data, model):
   target = L * layer + D * 2  # + final norm
   head = V * D // m * 2
   kv = 2 * L * rows * (Hkv // m) * ctx * hd * 4
-  ar_step = C.floors('step', t, {}, None, mesh, B, ctx)
+  ar_step = floors.floors('step', t, {}, None, mesh, B, ctx)
   assert ar_step == {'target weights': target, 'target head': head,
                      'embedding rows': B * 1 * D * 2, 'target KV': kv}
   # The paper's drafter: 5 target-width layers without q/k norms, a final norm and a mask
@@ -170,7 +173,7 @@ def test_floors_equal_a_hand_computation_from_the_shapes(data, model):
                            // m * 2 + 2 * D * 2) + 2 * D * 2
   d_kv = 2 * d.n_layers * rows * (Hkv // m) * ctx * hd * 4
   d_context = D * 5 * D // m * 2 + D * 2 + d.n_layers * 2 * Hkv * hd * D // m * 2
-  cycle = C.floors('step', t, {'drafter1': d, 'drafter2': d}, spec, mesh, B, ctx)
+  cycle = floors.floors('step', t, {'drafter1': d, 'drafter2': d}, spec, mesh, B, ctx)
   want = {'target weights': target, 'target head': head,
           'embedding rows': B * spec.tree_size * D * 2, 'target KV': kv}
   for name in ('drafter1', 'drafter2'):
@@ -178,7 +181,7 @@ def test_floors_equal_a_hand_computation_from_the_shapes(data, model):
                  f'{name} passes x1: context KV': d_kv, f'{name} context write': d_context})
   assert cycle == want
   # a second branch pass (spec.branch_passes=2) reads drafter 2 once more, drafter 1 as before
-  two = C.floors('step', t, {'drafter1': d, 'drafter2': d},
+  two = floors.floors('step', t, {'drafter1': d, 'drafter2': d},
                  dataclasses.replace(spec, branch_passes=2), mesh, B, ctx)
   assert two['drafter2 passes x2: layers'] == 2 * d_layers
   assert two['drafter2 passes x2: head'] == 2 * head
@@ -286,7 +289,7 @@ def test_greedy_head_over_8_rows_reads_its_weights_once():
   for fn in (sampling.argmax, lambda x: sampling.confidence_and_argmax(x, 0.7)):
     compiled = jax.jit(lambda h, w, f=fn: f(model_lib.linear(h, w))).lower(hidden, head).compile(
         xla_options.for_arrays((head,)))
-    nbytes = C.figures(compiled, C.chip_of(devices), 1)['bytes_per_device']
+    nbytes = hlo.figures(compiled, C.chip_of(devices), 1)['bytes_per_device']
     assert nbytes <= 1.1 * 32768 * 1024 * 2, nbytes / (32768 * 1024 * 2)
 
 
@@ -434,7 +437,7 @@ def test_a_budgeted_tree_compiles_at_the_budget_its_label_names():
 
 
 def test_breakeven_is_each_batchs_cycle_in_ar_steps_on_one_chip_mesh_and_drafters():
-  """compiled.breakeven: for the chip, target, drafters, mesh and context asked, each kept
+  """tpu_records.breakeven: for the chip, target, drafters, mesh and context asked, each kept
   batch's cycles over its own AR step (the τ above which a method beats AR there); records of
   another mesh, drafters or context, and a batch without an AR step, are left out."""
   def result(batch, est, mesh=(1, 1), drafters='paper', context=1024):
@@ -449,10 +452,10 @@ def test_breakeven_is_each_batchs_cycle_in_ar_steps_on_one_chip_mesh_and_drafter
           'd': result(1, {'ar': 1.0, 'dflash': 7.0}, drafters='x'),
           'e': result(1, {'ar': 1.0, 'dflash': 7.0}, context=256),
           'f': result(32, {'dflash': 3.0})}
-  assert C.breakeven(kept, 'TPU v5p', 'qwen3-8b') == {
+  assert tpu_records.breakeven(kept, 'TPU v5p', 'qwen3-8b') == {
       1: {'dflash': 1.25, 'd2sd_tree:32': 2.0}, 8: {'dflash': 1.5, 'd2sd_tree:32': 4.5}}
-  assert list(C.breakeven(kept, 'TPU v5p', 'qwen3-8b', mesh='1x8')) == [1]
-  assert C.breakeven(kept, 'TPU v5e', 'qwen3-8b') == {}
+  assert list(tpu_records.breakeven(kept, 'TPU v5p', 'qwen3-8b', mesh='1x8')) == [1]
+  assert tpu_records.breakeven(kept, 'TPU v5e', 'qwen3-8b') == {}
 
 
 def test_speedups_at_the_paper_tau_only_for_its_gamma_and_a_train_header_without_decode():
@@ -500,5 +503,5 @@ def test_markdown_names_the_libtpu_and_the_batch_1_table_takes_batch_1(tmp_path,
   assert f"libtpu {one['toolchain']['libtpu']};" in text and 'libtpu 9.9.9;' in text
   assert "|\n\n**Qwen3-8B, the paper's drafters" in text
   rows = [line for line in text.splitlines() if line.startswith('| TPU v5p (v5p:1x1x1')]
-  est = C.step_estimates(one)
+  est = tpu_records.step_estimates(one)
   assert len(rows) == 1 and f"| {1e3 * est['ar']:.2f} ms |" in rows[0], rows
