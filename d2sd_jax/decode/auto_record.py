@@ -161,7 +161,10 @@ class Record:
       drafter candidate measured last shows (its measured τ - 1 over its prior's);
     - prompt lookup's τ, measured or not, is what it would have taken on every batch's outputs
       so far (`_see_lookup`: exact at T = 0, whichever candidate decoded them), as it depends
-      on how much the request repeats itself, which no prior knows;
+      on how much the request repeats itself, which no prior knows; shrunk toward its prior by
+      PRIOR_CYCLES like every measured τ, since how much one prompt repeats itself varies
+      widely (on 10 networkx prompts, the first one's outputs predicted prompt lookup at 116
+      tokens/s, and it then decoded two at 56);
     - an adaptive tree that takes lookup-only cycles (`takes_lookup_cycles`), untimed or timed
       on openings alone (`opening`: the policy's first AR_TIMING_TOKENS tokens of a prompt), is
       predicted at least prompt lookup's tokens/s: its cycles verify lookup's proposal alone
@@ -230,7 +233,10 @@ class Record:
           tau = 1.0 + (tau - 1.0) * scale
         cycle = row['cycle_ar_steps'] * step_of.get(kind(name), step_of['pld'])
       if row['method'] == 'pld' and seen.get('cycles'):
-        tau = seen['tokens'] / seen['cycles']  # (every batch's outputs, whichever decoded them)
+        # every batch's outputs, whichever decoded them, shrunk toward its prior as a measured
+        # τ is: one prompt that repeats itself is not the request
+        tau = ((seen['tokens'] + PRIOR_CYCLES * row['prior_tau']) /
+               (seen['cycles'] + PRIOR_CYCLES))
       row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                  predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch),
                                               2))
