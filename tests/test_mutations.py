@@ -1,5 +1,5 @@
-"""Mutation suite: known-bad changes to the speculative core, each applied to a copy of its
-module, must make a check of the default test run fail.
+"""Mutation suite (slow tier): known-bad changes to the speculative core, each applied to a copy
+of its module, must make a check of the test run fail.
 
 A mutation replaces one exact piece of source (which must still exist, so the suite follows the
 code), executes the changed module under its own name, and points the real module's functions
@@ -19,6 +19,8 @@ from d2sd_jax.spec_decode import tree as tree_lib
 from tests.helpers import loop_checks as H
 from tests.helpers import tiny_drafters
 from tests.spec_decode import test_acceptance
+
+pytestmark = pytest.mark.slow  # (16 mutants, each compiling its checks again: about a minute)
 
 
 def apply_mutation(monkeypatch, module, old: str, new: str):

@@ -92,6 +92,7 @@ def test_measured_costs_are_cached_and_interpolated(tiny, cost_cache, monkeypatc
   assert again == costs
 
 
+@pytest.mark.slow  # (lowering at 8B shapes: the tiny roofline tests stay in the default tier)
 def test_roofline_prediction_at_qwen3_8b_shapes():
   """From lowered programs only: an 8B bf16 target's AR step on an H200 is bound by reading
   its ~16.4 GB of weights, and a 16-node verification does ~16x the FLOPs of one token."""

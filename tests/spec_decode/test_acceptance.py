@@ -438,8 +438,8 @@ def test_sampled_window_law_equals_ar(tiny, trained, method, monkeypatch):
 BRANCH_METHODS = ['dflash_resample', 'dflash_dflash', 'd2sd', 'ddtree', 'd2sd_tree']
 BRANCH_BUDGET = 8  # tree_budget of the budgeted methods among them (best-first trees)
 BRANCH_SAMPLING = 'T0.6-k4'
-# ...and the other settings in the default tier too, through one point-mass method.
-DEFAULT_TIER_SAMPLINGS = {('d2sd', 'T1.3-k4'), ('d2sd', 'T1-p0.8')}
+# ...and top-p in the default tier too, through one method (T = 1.3: slow tier).
+DEFAULT_TIER_SAMPLINGS = {('d2sd', 'T1-p0.8')}
 
 
 def _branch_law_cases():

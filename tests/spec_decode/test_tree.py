@@ -314,7 +314,9 @@ def test_adaptive_trees_equal_ar_and_choose_their_size_every_cycle(tiny, trained
 
 # (a lookup trusted that much makes the floor, its own tokens at 1.6, exceed the running rate)
 @pytest.mark.parametrize('lookup_cost,lookup_accept', [
-    (0.45, (0.4, 0.674, 0.936)), (0.6, (0.4, 0.674, 0.936)), (1.3, (0.9, 0.95, 0.99))])
+    (0.45, (0.4, 0.674, 0.936)),
+    pytest.param(0.6, (0.4, 0.674, 0.936), marks=pytest.mark.slow),
+    (1.3, (0.9, 0.95, 0.99))])
 def test_lookup_cycles_verify_the_lookup_alone_when_it_pays(tiny, trained, lookup_cost,
                                                            lookup_accept):
   """spec.lookup_cycles: the greedy output is AR's, and every cycle is what a reference of

@@ -203,6 +203,7 @@ def test_distill_samples_with_the_settings_and_refuses_others_on_resume(tiny_fol
       capsys.readouterr().err
 
 
+@pytest.mark.slow  # (two subprocesses)
 def test_distill_on_a_model_parallel_mesh_gives_the_same_responses(tiny_folder, tmp_path):
   """--mesh_model 2 (the target's weights split over 2 devices) distills the same greedy
   responses as one device (fresh processes: the device count is fixed at start-up)."""
