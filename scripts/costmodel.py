@@ -77,7 +77,8 @@ def main():
                                      n_branches=4)}
     chip = costmodel.CHIPS[args.chip]
     if chip.name.startswith('TPU'):
-      kept = tpu_records.recorded(RECORD, chip.name, args.target, 'paper', args.batch, args.context)
+      kept = tpu_records.recorded(RECORD, chip.name, args.target, 'paper', args.batch,
+                                  args.context)
       if kept is not None:
         print_compiled(kept, args.tau)
         return

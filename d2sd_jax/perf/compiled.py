@@ -299,8 +299,8 @@ def decode_programs(tcfg, dcfgs: dict, methods, mesh, batch: int = 1, context: i
       cache_size = SP.cache_size_needed(context, spec)
     out.append(Program('prefill', label, prefill,
                        (params, tcfg, settings, block, lens, keys, cache_size), (1, 2, 6),
-                       floor=floors_lib.floors('prefill', tcfg, dcfgs, spec, mesh, batch, context,
-                                    cache_size)))
+                       floor=floors_lib.floors('prefill', tcfg, dcfgs, spec, mesh, batch,
+                                               context, cache_size)))
     step_floor = floors_lib.floors('step', tcfg, dcfgs, spec, mesh, batch, context)
     for name, fn in (('step', step), ('loop', loop))[:2 if loops else 1]:
       # (the state, argument 3, comes from the prefill: `compile_all`)

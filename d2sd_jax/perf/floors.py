@@ -1,9 +1,9 @@
 """What a decode program must read from memory per device at the least: the yardstick that
 benchmarks/tpu_compile.py holds the TPU compiler's bytes accessed against.
 
-The floor of a compiled program (`floors`; perf/compiled.py reports it as
-`ideal_bytes_per_device`, and the compiler's bytes accessed over it) is what a memory-bound program must read per
-device at the least: the weights it uses, the KV it attends to and the LM-head rows it
+The floor of a program (`floors`; perf/compiled.py reports it as `ideal_bytes_per_device`, and
+the compiler's bytes accessed over it as `bytes_over_ideal`) is what a memory-bound program must
+read per device at the least: the weights it uses, the KV it attends to and the LM-head rows it
 projects, each divided by the mesh axes that split it (the sharding rules; a dimension an axis
 does not divide is counted whole, as it is stored):
   AR step   target layers + final norm + LM head (V·D: its one row is a matrix-vector product
