@@ -217,8 +217,10 @@ class Record:
     # lookup drafts nothing (its cycle is a verification), so it follows AR's own step
     step_of = {'drafters': ar_step_ms(by_kind['drafters'] or spec or by_kind['ar']),
                'pld': ar_step_ms(by_kind['ar'] or spec)}
-    tau_of = {n: (m['decode_tokens'] + PRIOR_CYCLES * table[n]['prior_tau']) /
-                 (m['cycles'] + PRIOR_CYCLES) for n, m in timed.items()}
+    shrunk = lambda tokens, cycles, prior: (tokens + PRIOR_CYCLES * prior) / (
+        cycles + PRIOR_CYCLES)  # a measured τ, toward the prior's by PRIOR_CYCLES pseudo-cycles
+    tau_of = {n: shrunk(m['decode_tokens'], m['cycles'], table[n]['prior_tau'])
+              for n, m in timed.items()}
     seen = self.lookup_seen or {}
     last = self.scale_from
     scale = ((tau_of[last] - 1) / (table[last]['prior_tau'] - 1)
@@ -235,8 +237,7 @@ class Record:
       if row['method'] == 'pld' and seen.get('cycles'):
         # every batch's outputs, whichever decoded them, shrunk toward its prior as a measured
         # τ is: one prompt that repeats itself is not the request
-        tau = ((seen['tokens'] + PRIOR_CYCLES * row['prior_tau']) /
-               (seen['cycles'] + PRIOR_CYCLES))
+        tau = shrunk(seen['tokens'], seen['cycles'], row['prior_tau'])
       row.update(tau=round(tau, 3), cycle_ms=round(cycle, 4), measured=name in timed,
                  predicted_tokens_per_s=round(throughput.tokens_per_s(tau, cycle / 1e3, batch),
                                               2))
