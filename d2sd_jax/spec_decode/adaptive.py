@@ -2,10 +2,11 @@
 (SpecSettings.adaptive; speculative.spec_step runs the choice with lax.switch / lax.cond):
 
   choice        how many of the drafted tree's best-first nodes to verify: the shape of
-                SpecSettings.node_costs with the most expected tokens per second;
+                SpecSettings.node_costs whose expected tokens gain most over what its cost in
+                seconds would give at the rate the row's drafted cycles have been giving;
+  running       that rate's running means (SpecState.drafted_Bx2, tree_rate_B);
   lookup_wins   before drafting (SpecSettings.lookup_cycles), whether to verify prompt
-                lookup's proposal alone instead, against the rate the drafted cycles have been
-                giving (running_rate).
+                lookup's proposal alone instead, against that rate.
 
 A batch shares one shape, chosen for its live rows' expected tokens together.
 """
@@ -17,28 +18,43 @@ from d2sd_jax.spec_decode import tree as tree_lib
 
 
 def choice(settings, state, tree: tree_lib.Tree):
-  """The index into settings.node_costs of the shape an adaptive cycle verifies: the most
-  expected tokens per second, (live rows + their trees' expected drafts at n nodes) / cost(n).
-  The tree is best first, so its first n nodes are its best tree of n, and their expected
-  drafts are a prefix sum of its scores. Also returns each row's expected tokens per second at
-  the chosen shape ([B])."""
+  """The index into settings.node_costs of the shape an adaptive cycle verifies, and each row's
+  expected tokens at that shape ([B]).
+
+  A row's expected tokens at n nodes are 1 + its tree's expected drafts there; the tree is best
+  first, so its first n nodes are its best tree of n, and their expected drafts are a prefix
+  sum of its scores. Decoding is a renewal process: its tokens per second are E[tokens] /
+  E[seconds] over cycles, and that is highest when every cycle maximises its gain
+  tokens(n) - r * cost(n) at the best long-run rate r (Dinkelbach), not its own ratio
+  tokens(n) / cost(n). A cycle's own ratio stops growing a sure tree at its own (high) rate
+  and grows an unsure one up to its own (low) rate; the gain grows a tree while each extra
+  node's tokens per second beat the rate the row has been getting (SpecState.tree_rate_B,
+  which stands in for r). Before a row's first drafted cycle, r is this cycle's best ratio,
+  at which the gain chooses what the ratio would. The batch's live rows' gains are summed."""
   live_B = ~state.done_B
   reach_BxT = jnp.cumsum(jnp.exp(tree.score_BxT[:, 1:]), axis=1)  # [:, n-2]: n nodes
   sizes = jnp.asarray([n for n, _ in settings.node_costs])
   costs = jnp.asarray([c for _, c in settings.node_costs], jnp.float32)
-  rate_BxS = (1.0 + reach_BxT[:, sizes - 2]) / costs
-  best = jnp.argmax(jnp.sum(jnp.where(live_B[:, None], rate_BxS, 0.0), axis=0))
-  return best.astype(jnp.int32), rate_BxS[:, best]
+  tokens_BxS = 1.0 + reach_BxT[:, sizes - 2]
+  own_B = jnp.max(tokens_BxS / costs, axis=1)
+  r_B = jnp.where(jnp.isinf(state.tree_rate_B), own_B, state.tree_rate_B)
+  gain_BxS = tokens_BxS - r_B[:, None] * costs
+  best = jnp.argmax(jnp.sum(jnp.where(live_B[:, None], gain_BxS, 0.0), axis=0))
+  return best.astype(jnp.int32), tokens_BxS[:, best]
 
 
-RATE_MEMORY = 0.25  # weight of the newest drafted cycle in SpecState.tree_rate_B
+RATE_MEMORY = 0.25  # weight of the newest drafted cycle in SpecState.drafted_Bx2
 
 
-def running_rate(old_B, rate_B):
-  """SpecState.tree_rate_B after a cycle whose drafted rate was rate_B (a lookup-only cycle
-  passes the old rate, which it leaves as it was): the first drafted cycle's rate, then each
-  new one weighing RATE_MEMORY."""
-  return jnp.where(jnp.isinf(old_B), rate_B, old_B + RATE_MEMORY * (rate_B - old_B))
+def running(old_Bx2, tokens_B, seconds):
+  """SpecState.drafted_Bx2 after a drafted cycle that expected tokens_B at `seconds`: the first
+  drafted cycle's (tokens, seconds), then running means weighing the newest RATE_MEMORY. Their
+  ratio, SpecState.tree_rate_B, is the rate the drafted cycles have been giving: expected
+  tokens over seconds, not a mean of the cycles' own ratios, which would undercount the long
+  sure cycles."""
+  new_Bx2 = jnp.stack([tokens_B, jnp.broadcast_to(seconds, tokens_B.shape)], axis=1)
+  first_B = old_Bx2[:, 1] <= 0
+  return jnp.where(first_B[:, None], new_Bx2, old_Bx2 + RATE_MEMORY * (new_Bx2 - old_Bx2))
 
 
 def lookup_wins(settings, state, lookup: tree_lib.Tree):

@@ -1,7 +1,7 @@
 """The tiny drafters of the speculative-decoding tests: random ones (`bundle_for`), ones trained
 on the tiny target's greedy outputs (`trained_bundle`) and ones fitted to its sampled
 continuations (`sampled_bundle`), each cached on disk so the test processes of one machine train
-them once; and the prompts and drafter configs they are made for."""
+them once; and the prompts, drafter configs and tree settings they are made for."""
 import functools
 import hashlib
 import os
@@ -16,6 +16,7 @@ from d2sd_jax.models import drafter as D
 from d2sd_jax.models import sampling as S
 from d2sd_jax.models import target as M
 from d2sd_jax.spec_decode import ar as AR
+from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.train import losses
 from tests.helpers.programs import full_last_logits, jitted
 
@@ -23,6 +24,14 @@ PROMPTS = [[5, 9, 2, 33, 7, 1, 60, 5, 9, 2], [12], [40, 41, 42, 43, 40, 41]]
 DCFG = D.DrafterConfig(gamma=5, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
                        d_ff=48, feature_layers=(0, 2), rope_base=10000.0, norm_eps=1e-6)
 DCFG2 = D.DrafterConfig(**{**DCFG.__dict__, 'feature_layers': (1, 2)})
+
+
+def tree_spec(method, budget, max_new=14, **kw):
+  """SpecSettings of a best-first tree (or another method) of `budget` nodes over these
+  drafters: gamma 5, 3 branches, greedy, no EOS."""
+  return SP.SpecSettings(AR.GenerationSettings(max_new_tokens=max_new, eos_ids=(), pad_id=0),
+                         method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
+                         tree_budget=budget, **kw)
 
 
 def bundle_for(tiny):

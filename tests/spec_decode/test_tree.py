@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d2sd_jax.spec_decode import adaptive
 from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.spec_decode import tree as tree_lib
 from tests.helpers import loop_checks as H
-from tests.helpers.tiny_drafters import DCFG, DCFG2, PROMPTS
+from tests.helpers.tiny_drafters import PROMPTS, tree_spec
 
 
 def node_paths(tree, b):
@@ -143,12 +142,6 @@ def test_merge_paths_keeps_one_node_per_path_with_the_best_score():
 # The methods on the tiny target and drafters
 
 
-def spec_for(method, budget, max_new=14, **kw):
-  return SP.SpecSettings(AR.GenerationSettings(max_new_tokens=max_new, eos_ids=(), pad_id=0),
-                         method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3,
-                         tree_budget=budget, **kw)
-
-
 def row_reference(spec, ref):
   """d2sd_tree's pool for a row, from `ref` (H.drafter_logits_reference: one fresh forward of
   each drafter) and prompt lookup's proposal, merged by a dict: {path: log score}."""
@@ -205,7 +198,7 @@ def test_d2sd_tree_holds_the_best_nodes_of_every_proposer(tiny, trained, budget)
   marginals' best prefixes). Rows whose M-th and (M+1)-th scores are within float32 rounding
   of each other are not compared (either choice is right); most rows are."""
   cfg, _ = tiny
-  spec = spec_for('d2sd_tree', budget, max_new=30, lookup_accept=(0.3, 0.5, 0.8))
+  spec = tree_spec('d2sd_tree', budget, max_new=30, lookup_accept=(0.3, 0.5, 0.8))
   init, draft, _, _, _ = H._stage_programs()
   step = jax.jit(SP.spec_step, static_argnames=('cfg', 'settings'))
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
@@ -244,7 +237,7 @@ def test_tree_methods_equal_ar(tiny, trained, method, budget):
   """Output = AR greedy and the caches equal a fresh prefill after every cycle, with accepted
   paths that leave drafter 1's chain (the chain recomputed by drafting.first_draft)."""
   cfg, params = tiny
-  spec = spec_for(method, budget)
+  spec = tree_spec(method, budget)
   assert spec.tree_size == (budget or 5 + 3 * 4)
   bundle = SP.prepare(trained, cfg)
   chain_of = jax.jit(lambda state: drafting.first_draft(bundle, cfg, spec, state)[0])
@@ -274,170 +267,9 @@ def test_tree_methods_equal_ar(tiny, trained, method, budget):
 
 def test_tree_budget_checks():
   with pytest.raises(ValueError, match='tree_budget=1 leaves'):
-    spec_for('ddtree', 1)
-  assert spec_for('ddtree', 3).tree_size == 3  # below gamma: allowed for best-first trees
+    tree_spec('ddtree', 1)
+  assert tree_spec('ddtree', 3).tree_size == 3  # below gamma: allowed for best-first trees
   with pytest.raises(ValueError, match='must be 0 \\(no limit\\) or >= gamma'):
-    spec_for('d2sd', 3)
+    tree_spec('d2sd', 3)
   with pytest.raises(ValueError, match='lookup_accept'):
-    spec_for('d2sd_tree', 8, lookup_accept=(0.5, 1.0))
-
-
-@pytest.mark.parametrize('method', ['d2sd_tree', pytest.param('ddtree', marks=pytest.mark.slow)])
-def test_adaptive_trees_equal_ar_and_choose_their_size_every_cycle(tiny, trained, method):
-  """spec.adaptive: the greedy output is AR's; every cycle verifies the shape with the most
-  expected tokens per cost (each live row's 1 + the scores of its tree's first n - 1 nodes,
-  summed, over the shape's cost), computed here from the drafted tree; and on these prompts
-  the cycles choose more than one shape."""
-  cfg, params = tiny
-  costs = ((2, 1.0), (4, 1.25), (8, 1.6))
-  spec = spec_for(method, 8, max_new=20, adaptive=True, node_costs=costs, lookup_cycles=False)
-  ar_out, sp_out, _ = H.run_both(cfg, trained, PROMPTS, spec)
-  assert sp_out == ar_out
-  _, init, _, step = H.jitted()
-  draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
-  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(len(PROMPTS))),
-               SP.cache_size_needed(block.shape[1], spec))
-  chosen = []
-  while not bool(state.done_B.all()):
-    live = ~np.asarray(state.done_B)
-    reach = np.exp(np.asarray(draft(trained, cfg, spec, state).score_BxT, np.float64)[:, 1:])
-    rate = [sum(1 + reach[b, :n - 1].sum() for b in np.flatnonzero(live)) / c for n, c in costs]
-    want = costs[int(np.argmax(rate))][0]
-    new = step(trained, cfg, spec, state)
-    verified = np.asarray(new.verified_nodes_B - state.verified_nodes_B)
-    assert list(verified[live]) == [want] * int(live.sum()) and not verified[~live].any()
-    chosen.append(want)
-    state = new
-  assert len(set(chosen)) > 1, chosen
-
-
-# (a lookup trusted that much makes the floor, its own tokens at 1.6, exceed the running rate)
-@pytest.mark.parametrize('lookup_cost,lookup_accept', [
-    (0.45, (0.4, 0.674, 0.936)),
-    pytest.param(0.6, (0.4, 0.674, 0.936), marks=pytest.mark.slow),
-    (1.3, (0.9, 0.95, 0.99))])
-def test_lookup_cycles_verify_the_lookup_alone_when_it_pays(tiny, trained, lookup_cost,
-                                                           lookup_accept):
-  """spec.lookup_cycles: the greedy output is AR's, and every cycle is what a reference of
-  the rule computes from the state: verify prompt lookup's gamma nodes alone when the live
-  rows' (1 + sum over its valid nodes of a^depth) / lookup_cost, summed, beat the drafted
-  trees' running rate (inf before the first drafted cycle, at least the lookup's own tokens
-  at the cost of the smallest shape of >= gamma nodes); else draft, verify the adaptive size,
-  and move the rate a quarter of the way to that cycle's expected tokens per second. On these
-  prompts both kinds of cycle happen."""
-  cfg, params = tiny
-  costs = ((2, 1.0), (4, 1.25), (8, 1.6))
-  spec = spec_for('d2sd_tree', 8, max_new=20, adaptive=True, node_costs=costs,
-                  lookup_cost=lookup_cost, lookup_accept=lookup_accept)  # (lookup_cycles: on)
-  ar_out, sp_out, _ = H.run_both(cfg, trained, PROMPTS, spec)
-  assert sp_out == ar_out
-  _, init, _, step = H.jitted()
-  draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
-  lookup = jax.jit(drafting.lookup, static_argnames=('settings',))
-  block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
-  state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(len(PROMPTS))),
-               SP.cache_size_needed(block.shape[1], spec))
-  kinds = set()
-  floored = 0  # cycles where a live row's floor exceeded its running rate
-  while not bool(state.done_B.all()):
-    live = np.flatnonzero(~np.asarray(state.done_B))
-    _, valid, matched = (np.asarray(x) for x in lookup(spec, state))
-    own = np.ones(len(PROMPTS))  # the lookup's 1 + expected drafts per row
-    for b in range(len(PROMPTS)):
-      if matched[b]:
-        a = spec.lookup_accept[min(matched[b], len(spec.lookup_accept)) - 1]
-        own[b] += sum(a ** d for d in range(1, spec.gamma) if valid[b, :d].all())
-    rate = np.asarray(state.tree_rate_B, np.float64)
-    gain = sum(own[b] / lookup_cost - max(rate[b], own[b] / 1.6) for b in live)
-    floored += any(own[b] / 1.6 > rate[b] for b in live)
-    new = step(trained, cfg, spec, state)
-    verified = np.asarray(new.verified_nodes_B - state.verified_nodes_B)
-    counted = np.asarray(new.lookup_only_B - state.lookup_only_B)
-    done = np.asarray(state.done_B)
-    assert list(counted[live]) == [int(gain > 0)] * len(live) and not counted[done].any()
-    if gain > 0:
-      assert list(verified[live]) == [spec.gamma] * len(live)
-      np.testing.assert_array_equal(np.asarray(new.tree_rate_B), rate.astype(np.float32))
-      kinds.add('lookup')
-    else:
-      reach = np.exp(np.asarray(draft(trained, cfg, spec, state).score_BxT, np.float64)[:, 1:])
-      by_row = np.array([[(1 + reach[b, :n - 1].sum()) / c for n, c in costs]
-                         for b in range(len(PROMPTS))])
-      s = int(np.argmax(by_row[live].sum(0)))
-      assert list(verified[live]) == [costs[s][0]] * len(live)
-      with np.errstate(invalid='ignore'):  # (inf - inf where the rate starts)
-        want = np.where(np.isinf(rate), by_row[:, s], rate + 0.25 * (by_row[:, s] - rate))
-      np.testing.assert_allclose(np.asarray(new.tree_rate_B)[live], want[live], rtol=1e-5)
-      kinds.add('drafted')
-    state = new
-  assert kinds == {'lookup', 'drafted'}, kinds
-  assert floored > 0 or lookup_cost < 1, floored
-
-
-def test_lookup_wins_weighs_each_row_against_its_floor_at_batch_two():
-  """lookup_wins at batch 2, by hand: row 0's lookup expects 2 drafts (two sure nodes: 3
-  tokens), and its drafted cycles have run at 1 token per second; row 1's lookup proposes
-  nothing (1 token) and its drafted cycles ran at 2. At a lookup cost of 0.9, and 1.0 for the
-  smallest shape of >= gamma nodes, row 0 gains 3/0.9 - max(1, 3/1.0) = 0.33 and row 1 loses
-  1/0.9 - 2 = 0.89: the batch drafts. Without the floor (a drafted tree holds the lookup's
-  nodes too) row 0 would gain 2.33, and the batch would verify the lookup alone. A finished
-  row counts for nothing."""
-  import types  # pylint: disable=import-outside-toplevel
-  spec = spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 0.7), (5, 1.0), (8, 1.4)),
-                  lookup_cost=0.9)
-  score = jnp.asarray([[0.0, 0.0, 0.0, -np.inf, -np.inf],
-                       [0.0, -np.inf, -np.inf, -np.inf, -np.inf]], jnp.float32)
-  tree = tree_lib.Tree(tokens_BxT=jnp.zeros((2, 5), jnp.int32),
-                       parents_BxT=jnp.zeros((2, 5), jnp.int32),
-                       valid_BxT=jnp.ones((2, 5), bool), score_BxT=score)
-  wins = lambda rate, done: bool(adaptive.lookup_wins(spec, types.SimpleNamespace(
-      tree_rate_B=jnp.asarray(rate, jnp.float32), done_B=jnp.asarray(done)), tree))
-  assert not wins([1.0, 2.0], [False, False])  # 0.33 - 0.89
-  assert wins([1.0, 2.0], [False, True])  # row 0 alone: 0.33
-  assert not wins([1.0, 2.0], [True, False])  # row 1 alone: -0.89
-  assert wins([1.0, 1.0], [False, False])  # 0.33 + 0.11
-  assert not wins([np.inf, 1.0], [False, False])  # before row 0's first drafted cycle
-
-
-def test_adaptive_settings_are_checked():
-  with pytest.raises(ValueError, match="method 'd2sd' has a fixed tree"):
-    spec_for('d2sd', 0, adaptive=True, node_costs=((4, 1.0),))
-  with pytest.raises(ValueError, match=r'node_costs=\(\) must pair .*leave it empty'):
-    spec_for('d2sd_tree', 8, adaptive=True, lookup_cost=1.0)
-  with pytest.raises(ValueError, match='must pair distinct tree sizes in 2..8'):
-    spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0), (16, 2.0)), lookup_cost=1.0)
-  with pytest.raises(ValueError, match='set adaptive=True or drop them'):
-    spec_for('d2sd_tree', 8, node_costs=((4, 1.0),))
-  with pytest.raises(ValueError,
-                     match=r'lookup_cost=0.0 must be the positive .*lookup_cycles=False'):
-    spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0),))
-  assert not spec_for('d2sd_tree', 8, adaptive=True, node_costs=((4, 1.0),),
-                      lookup_cycles=False).takes_lookup_cycles
-  assert not spec_for('ddtree', 8, adaptive=True, node_costs=((4, 1.0),)).takes_lookup_cycles
-  assert not spec_for('d2sd_tree', 8).takes_lookup_cycles  # (not adaptive)
-  for kw in ({'adaptive': True, 'node_costs': ((4, 1.0),), 'lookup_cycles': False}, {}):
-    with pytest.raises(ValueError, match="lookup_cost is the lookup-only cycle's.*drop it"):
-      spec_for('d2sd_tree', 8, lookup_cost=1.0, **kw)
-  with pytest.raises(ValueError, match="lookup_cost is the lookup-only cycle's"):
-    spec_for('ddtree', 8, adaptive=True, node_costs=((4, 1.0),), lookup_cost=1.0)
-
-
-@pytest.mark.slow
-def test_adaptive_d2sd_tree_chooses_several_shapes_on_real_prompts():
-  """SmolLM2 with the shipped drafters, greedy, on two real prompts: the adaptive tree's output
-  is AR's, and its cycles verified more than one shape. (A decode that kept one shape verifies
-  exactly that many nodes every cycle, so its mean tree size would be one of the shapes.)
-  The costs are a CPU's kind, every node costing: big trees only where the estimates say so."""
-  import d2sd_jax  # pylint: disable=import-outside-toplevel
-  dec = d2sd_jax.load('smollm2', drafter1='drafters/smollm2-drafter1',
-                      drafter2='drafters/smollm2-drafter2')
-  prompts = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-             'Explain in two sentences what a hash map is.']
-  ar = dec.generate(prompts, 40, method='ar', chat=False)
-  costs = ((4, 1.0), (8, 1.1), (16, 1.5), (32, 2.4))
-  out = dec.generate(prompts, 40, method='d2sd_tree', chat=False, batch_size=1,
-                     tree_budget=32, adaptive=True, node_costs=costs, lookup_cycles=False)
-  assert [list(a) for a in out.ids] == [list(a) for a in ar.ids]
-  assert out.stats['tau'] > 1.5  # drafts were accepted
-  assert out.stats['mean_tree_size'] not in {n for n, _ in costs}, out.stats
+    tree_spec('d2sd_tree', 8, lookup_accept=(0.5, 1.0))
