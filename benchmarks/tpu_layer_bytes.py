@@ -34,6 +34,7 @@ import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 
 from d2sd_jax.kernels import fused  # pylint: disable=wrong-import-position
+from d2sd_jax.models import attention as attention_lib  # pylint: disable=wrong-import-position
 from d2sd_jax.models import target as M  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import compiled as C  # pylint: disable=wrong-import-position
 from d2sd_jax.perf import hlo  # pylint: disable=wrong-import-position
@@ -75,7 +76,7 @@ def parts(cfg, T: int, context: int):
     h = M.rms_norm(x_, w['attn_norm'], cfg.norm_eps)
     q, k, v = M.qkv_projection(cfg, w, h, pos_)
     k, v = (a.transpose(0, 2, 1, 3).astype(kv_['k'].dtype) for a in (k, v))
-    return M.attention(q, k, v, kv_, clen_, tree), k, v
+    return attention_lib.attention(q, k, v, kv_, clen_, tree), k, v
 
   def cache(kv_, k_new, clen_):
     return M.write_rows(kv_['k'], k_new, clen_)

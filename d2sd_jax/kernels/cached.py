@@ -1,6 +1,6 @@
 """Attention of new tokens over a cached prefix plus among themselves, as one Pallas TPU kernel.
 
-Decoding's attention (`target.attention` with a prefix length per row: the AR step, the tree
+Decoding's attention (`attention.attention` with a prefix length per row: the AR step, the tree
 verification, the drafters' blocks) sees, for row b, the first len[b] cache slots and those new
 tokens its mask allows (a token tree, or blocks). On a TPU the XLA form writes each layer's
 [query rows, cache slots] float32 scores to HBM and reads them back for the max, the sum and the
@@ -179,12 +179,12 @@ def attend(q_BxHkvxRxhd, k_cache, v_cache, len_B, k_new, v_new, bias_BxRxT,
 
 def attention(q_BxTxHxhd, k_new_BxHkvxTxhd, v_new_BxHkvxTxhd, kv, ctx_len_B, tree_mask_BxTxT,
               block_size: int | None = None, interpret: bool = False):
-  """`target.attention`'s general and block forms over a cache prefix through `attend`: the
+  """`attention.attention`'s general and block forms over a cache prefix through `attend`: the
   TPU form, same arguments and result ([B, T, H·hd] float32)."""
   B, T, H, hd = q_BxTxHxhd.shape
   Hkv = k_new_BxHkvxTxhd.shape[1]
   Hg = H // Hkv
-  # query rows per KV head ordered (Hg, T), as target._attend_window orders them
+  # query rows per KV head ordered (Hg, T), as attention._attend_window orders them
   q_BxHkvxRxhd = (q_BxTxHxhd.reshape(B, T, Hkv, Hg, hd).transpose(0, 2, 3, 1, 4)
                   .reshape(B, Hkv, Hg * T, hd).astype(jnp.float32) * hd**-0.5)
   bias_BxRxT = new_token_bias(tree_mask_BxTxT, B, T, Hg, block_size)

@@ -1,11 +1,11 @@
 """Causal self-attention through Pallas splash attention, for programs compiled for a TPU.
 
-`target.attention`'s fresh form (nothing cached yet: the prefill of a prompt block, the
+`attention.attention`'s fresh form (nothing cached yet: the prefill of a prompt block, the
 teacher's feature pass in training) is causal attention among T new tokens. On a TPU it goes
 through splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), a flash kernel
 that keeps each [block_q, block_kv] tile of scores in VMEM and skips the tiles above the
 diagonal, instead of XLA's einsum writing [H, T, T] float32 scores of every layer to HBM.
-Elsewhere (CPU, GPU) `target.attention` keeps `jax.nn.dot_product_attention`. The choice follows
+Elsewhere (CPU, GPU) `attention.attention` keeps `jax.nn.dot_product_attention`. The choice follows
 the platform the program is compiled for (`jax.lax.platform_dependent`), so a TPU program
 compiled on a CPU host (benchmarks/tpu_compile.py) takes the kernel.
 

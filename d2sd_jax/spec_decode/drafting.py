@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.models import sampling as sampling_lib
+from d2sd_jax.spec_decode import lookup as lookup_lib
 from d2sd_jax.spec_decode import tree as tree_lib
 
 
@@ -43,8 +44,9 @@ class Method:
   redrafter: str = ''
   # Its tree is the best tree_budget nodes of a scored pool (any budget >= 2 is meaningful).
   budgeted: bool = False
-  # Its pool holds prompt lookup's proposal, scored as `lookup_scores` scores it: an adaptive
-  # cycle may then verify that proposal alone (`lookup_tree`, SpecSettings.lookup_cycles).
+  # Its pool holds prompt lookup's proposal, scored as `lookup.lookup_scores` scores it: an
+  # adaptive cycle may then verify that proposal alone (`lookup.lookup_tree`,
+  # SpecSettings.lookup_cycles).
   lookup: bool = False
   # The configurations method='auto' weighs: (registered name, gamma) -> [(label, knobs)], the
   # knobs beyond gamma (which every candidate gets); None: auto leaves the method out (the
@@ -93,68 +95,8 @@ def pld(params, cfg, settings, state) -> tree_lib.Tree:
   """Prompt lookup: find an earlier occurrence of the last n committed tokens (the longest n up to
   ngram_max that occurs) and propose the gamma-1 tokens that followed it."""
   del params, cfg
-  draft, valid, _ = lookup(settings, state)
+  draft, valid, _ = lookup_lib.lookup(settings, state)
   return tree_lib.chain(state.anchor_B, draft, valid)
-
-
-def lookup(settings, state):
-  """Prompt lookup's proposal: (tokens [B, G-1], valid [B, G-1], matched n-gram length [B],
-  0 where nothing matched)."""
-  B, L = state.seq_BxL.shape
-  N = settings.gamma - 1
-  seq, seq_len = state.seq_BxL, state.seq_len_B
-  pos = jnp.arange(L)
-  best_start = jnp.full((B,), -1, jnp.int32)  # where the proposal starts in seq
-  matched_B = jnp.zeros((B,), jnp.int32)
-  for n in range(1, settings.ngram_max + 1):  # longer n overrides shorter ones
-    tail = jnp.stack([jnp.take_along_axis(seq, (seq_len - n + k)[:, None], 1)[:, 0]
-                      for k in range(n)], 1)  # [B, n]
-    ok = jnp.ones((B, L), bool)
-    for k in range(n):
-      ok &= jnp.roll(seq, -k, axis=1) == tail[:, k:k + 1]  # seq[j + k] == tail[k]
-    # The match must end before the tail starts (a following token exists).
-    ok &= (pos[None] + n <= (seq_len - 1)[:, None]) & (seq_len[:, None] > n)
-    # Among matches, the latest one whose continuation is longest (up to gamma-1 tokens): the
-    # very latest match of a repetition often has almost nothing after it yet.
-    follow = jnp.clip(seq_len[:, None] - (pos[None] + n), 0, N)
-    score = jnp.where(ok, follow * L + pos[None], -1)
-    found = jnp.max(score, axis=1) >= 0
-    best_start = jnp.where(found, jnp.argmax(score, axis=1) + n, best_start)
-    matched_B = jnp.where(found, n, matched_B)
-  idx = best_start[:, None] + jnp.arange(N)[None]
-  draft = jnp.take_along_axis(seq, jnp.clip(idx, 0, L - 1), 1)
-  valid = (best_start[:, None] >= 0) & (idx < seq_len[:, None])
-  return draft, valid, matched_B
-
-
-def lookup_scores(settings, state):
-  """Prompt lookup's proposal with its nodes' log estimated probabilities of being reached and
-  accepted, d * log a at depth d, a = settings.lookup_accept[n - 1] after a match of n tokens
-  (-inf where nothing was proposed): (tokens [B, G-1], valid [B, G-1], scores [B, G-1])."""
-  draft, valid, matched_B = lookup(settings, state)
-  accept = jnp.asarray(settings.lookup_accept, jnp.float32)
-  log_a_B = jnp.log(accept[jnp.clip(matched_B - 1, 0, len(settings.lookup_accept) - 1)])
-  depth_N = jnp.arange(1, settings.gamma, dtype=jnp.int32)
-  score = jnp.where(valid & (matched_B[:, None] > 0), depth_N[None] * log_a_B[:, None], -jnp.inf)
-  return draft, valid, score
-
-
-def lookup_tree(settings, state) -> tree_lib.Tree:
-  """Prompt lookup's proposal alone, as a best-first tree of gamma nodes: its nodes scored as in
-  d2sd_tree's pool (`lookup_scores` through lookup's reliability curve, never rising along the
-  chain) and sourced 'lookup'. What an adaptive cycle verifies when the lookup's expected
-  tokens per second beat the drafted tree's (adaptive.lookup_wins)."""
-  draft, valid, score = lookup_scores(settings, state)
-  B, N = score.shape
-  depth = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.int32), (B, N))
-  source = jnp.full((B, N), tree_lib.SOURCES.index('lookup'), jnp.int32)
-  score = jax.lax.cummin(tree_lib.calibrate(score, source, depth, settings.node_calibration),
-                         axis=1)
-  tree = tree_lib.chain(state.anchor_B, draft, valid)
-  score = jnp.where(tree.valid_BxT[:, 1:], score, -jnp.inf)
-  return tree.replace(
-      score_BxT=jnp.concatenate([jnp.zeros((B, 1), jnp.float32), score], 1),
-      source_BxT=jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), source], 1))
 
 
 def _context(settings, state, name):
@@ -426,7 +368,7 @@ def d2sd_tree(params, cfg, settings, state) -> tree_lib.Tree:
   r_score = jnp.where(depth_N[None, None] > cut_BxK[..., None], r_score, -jnp.inf)
   r_path = jnp.broadcast_to(branch_BxKxG[:, :, None, 1:], (B, K, G - 1, G - 1))
   # Prompt lookup.
-  l_draft, l_valid, l_score = lookup_scores(settings, state)
+  l_draft, l_valid, l_score = lookup_lib.lookup_scores(settings, state)
   l_path = jnp.broadcast_to(l_draft[:, None], (B, G - 1, G - 1))
   # One pool, merged, and its best nodes.
   path = jnp.concatenate([c_path, b_path, r_path.reshape(B, K * (G - 1), G - 1), l_path], 1)

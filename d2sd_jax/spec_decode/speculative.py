@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from d2sd_jax.models import drafter as drafter_lib
 from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import lookup as lookup_lib
 from d2sd_jax.spec_decode import adaptive
 from d2sd_jax.spec_decode import ar
 from d2sd_jax.models import target as model_lib
@@ -405,7 +406,7 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
   if not settings.takes_lookup_cycles:
     out, moved = drafted()
     return commit_outcome(params, settings, state.replace(drafted_Bx2=moved), out)
-  lookup = drafting.lookup_tree(settings, state)
+  lookup = lookup_lib.lookup_tree(settings, state)
   alone = adaptive.lookup_wins(settings, state, lookup)
   out, moved = jax.lax.cond(alone, lambda: (decided(lookup), state.drafted_Bx2), drafted)
   return commit_outcome(params, settings, state.replace(

@@ -14,6 +14,7 @@ import numpy as np
 from d2sd_jax.models import drafter as D
 from d2sd_jax.spec_decode import ar as AR
 from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import lookup as lookup_lib
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.spec_decode import tree as tree_lib
 from tests.helpers.programs import fresh_prefill, jitted
@@ -227,7 +228,7 @@ def drafter_logits_reference(tiny, bundle, spec, state, b):
   'chain'), the K cuts by enumerating r(i) = c_1..c_i (1 - c_{i+1}) in numpy, each branch
   re-drafted by drafter 2 alone from [anchor, chain[1..i], MASK...] with the chain's token at
   i+1 excluded ('branches': (cut, tokens, calibrated confidences)), and prompt lookup's proposal
-  ('lookup': tokens, valid, matched length; drafting.lookup, checked by the pld tests). With
+  ('lookup': tokens, valid, matched length; lookup.lookup, checked by the pld tests). With
   spec.branch_passes = P, branch pass p (2..P) re-drafts, from the branch's first p - 1
   re-drafted tokens given, the positions after them."""
   cfg, params = tiny
@@ -268,7 +269,7 @@ def drafter_logits_reference(tiny, bundle, spec, state, b):
       tokens = tokens[:given] + np.argmax(lg2[given:], -1).tolist()
       conf2 = np.where(np.arange(G_) >= given, np.exp(log_softmax(lg2 / t2)).max(-1), conf2)
     branches.append((i, tokens, conf2))
-  draft, valid, matched = jax.jit(drafting.lookup, static_argnames=('settings',))(spec, state)
+  draft, valid, matched = jax.jit(lookup_lib.lookup, static_argnames=('settings',))(spec, state)
   return {'logp1': logp1, 'chain': chain, 'branches': branches,
           'lookup': (np.asarray(draft[b]).tolist(), np.asarray(valid[b]).tolist(),
                      int(matched[b]))}

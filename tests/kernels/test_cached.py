@@ -1,5 +1,5 @@
 """Decoding's attention as one Pallas kernel on TPUs (d2sd_jax/kernels/cached.py): through
-Pallas' interpreter on this CPU it equals the XLA form (`target._attend_windows`) for token
+Pallas' interpreter on this CPU it equals the XLA form (`attention._attend_windows`) for token
 trees and for drafter blocks, over caches of several blocks with rows of different prefix
 lengths; programs compiled for a TPU take it, CPU programs do not, and over a mesh it compiles
 split per device."""
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from d2sd_jax.kernels import cached
+from d2sd_jax.models import attention as A
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from tests.perf.test_compiled import LEAN, LEAN_DRAFTER, tpu_devices
 
 # pylint: disable=protected-access
-kernel_form, xla_form = cached.attention, model_lib._attend_windows
+kernel_form, xla_form = cached.attention, A._attend_windows
 
 # S = 1040 slots: blocks of 208, five of them. Lengths: mid-block, none, all, exactly one block
 # (a kernel that also reads slot `length`, or skips the block holding the last slot, or stops
@@ -75,8 +76,8 @@ def test_lengths_equal_the_prefix_mask_they_stand_for():
   tree = model_lib.causal_mask(len(LENGTHS), 5)
   mask = jnp.arange(1040)[None] < lens[:, None]
   np.testing.assert_array_equal(
-      np.asarray(model_lib.attention(q, k_new, v_new, kv, lens, tree)),
-      np.asarray(model_lib.attention(q, k_new, v_new, kv, mask, tree)))
+      np.asarray(A.attention(q, k_new, v_new, kv, lens, tree)),
+      np.asarray(A.attention(q, k_new, v_new, kv, mask, tree)))
 
 
 def _cycle(devices, mesh_spec, method='dflash'):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from d2sd_jax.kernels import fused
+from d2sd_jax.models import attention as A
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from d2sd_jax.perf import hlo
@@ -46,7 +47,7 @@ def _layer(cfg, dtype, seed=0):
 def test_attention_kernel_equals_the_xla_attention_half(name, dtype):
   """The attention half in one kernel (norm, q/k/v, q/k norms, RoPE, attention over a cache of
   two rows' lengths plus a token tree): its output and the new keys and values against
-  norm -> qkv_projection -> target.attention, inputs rounded as the TPU rounds them. A kernel
+  norm -> qkv_projection -> attention.attention, inputs rounded as the TPU rounds them. A kernel
   with RoPE's halves rotated the wrong way, a q/k norm on the wrong axis or with the other's
   weight, the bias dropped, the query scale missing or the cache read past a row's length
   differs."""
@@ -64,7 +65,7 @@ def test_attention_kernel_equals_the_xla_attention_half(name, dtype):
   h = _as_tpu_rounds(model_lib.rms_norm(x, lp['attn_norm'], cfg.norm_eps), lp['wqkv'].dtype)
   q, k, v = model_lib.qkv_projection(cfg, lp, h, positions)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  want = model_lib.attention(q, k, v, kv, lengths, tree)
+  want = A.attention(q, k, v, kv, lengths, tree)
   got, got_k, got_v = fused.attention(x, lp, positions, kv, lengths, tree, eps=cfg.norm_eps,
                                       rope_base=cfg.rope_base,
                                       rope_freq_factors=cfg.rope_freq_factors, interpret=True)

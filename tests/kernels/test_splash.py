@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from d2sd_jax.kernels import splash
+from d2sd_jax.models import attention as A
 from d2sd_jax.models import target as model_lib
 from d2sd_jax.perf import compiled as C
 from tests.perf.test_compiled import tpu_devices
@@ -30,7 +31,7 @@ def test_splash_equals_the_einsum_in_interpret_mode(T, H, Hkv, dtype):
   k = jax.random.normal(ks[1], (2, Hkv, T, hd)).astype(dt)
   v = jax.random.normal(ks[2], (2, Hkv, T, hd)).astype(dt)
   got = splash.causal(q, k, v, interpret=True)
-  want = model_lib._fresh_einsum(  # pylint: disable=protected-access
+  want = A._fresh_einsum(  # pylint: disable=protected-access
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
   assert got.shape == want.shape and got.dtype == dt
   # float32: summation order only; bfloat16: the kernel's bf16 probabilities and output
@@ -89,8 +90,8 @@ def test_splash_compiles_split_over_a_model_parallel_mesh():
 
 def test_narrow_heads_keep_the_xla_form_on_tpus():
   """Heads of 64 (SmolLM2's) fill half of each kernel tile: TPU programs keep the XLA forms
-  for them (`target.lane_dense`), in the prefill and in a decode step."""
+  for them (`attention.lane_dense`), in the prefill and in a decode step."""
   narrow = dataclasses.replace(TINY, head_dim=64)
   text, _ = _prefill_text(tpu_devices('v5p:1x1x1'), narrow, 'data=1,model=1', compile_it=False)
   assert 'tpu_custom_call' not in text
-  assert not model_lib.lane_dense(64) and model_lib.lane_dense(128) and model_lib.lane_dense(256)
+  assert not A.lane_dense(64) and A.lane_dense(128) and A.lane_dense(256)

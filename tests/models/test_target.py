@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from d2sd_jax.models import attention as A
 from d2sd_jax.models import target as M
 
 
@@ -162,19 +163,19 @@ def test_blockwise_attention_equals_the_dense_block_diagonal_mask(dtype):
   ctx_mask = jnp.arange(S)[None, None, :] < ctx_len_BxT[..., None]
   block_of = jnp.arange(T) // G
   dense = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (B, T, T))
-  ref = jax.jit(M.attention)(q, k_new, v_new, kv, ctx_mask, dense)
-  got = jax.jit(M.attention, static_argnums=(6,))(q, k_new, v_new, kv, ctx_mask, None, G)
+  ref = jax.jit(A.attention)(q, k_new, v_new, kv, ctx_mask, dense)
+  got = jax.jit(A.attention, static_argnums=(6,))(q, k_new, v_new, kv, ctx_mask, None, G)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   # a wrong block size is a different law (the test can tell)
-  other = M.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=T // 2 if G != T // 2 else 2)
+  other = A.attention(q, k_new, v_new, kv, ctx_mask, None, block_size=T // 2 if G != T // 2 else 2)
   assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
 
 
 def test_context_windows():
-  assert M.MIN_WINDOW == 256
-  assert M.context_windows(640) == (256, 512, 640)
-  assert M.context_windows(2048) == (256, 512, 1024, 2048)
-  assert M.context_windows(256) == (256,) and M.context_windows(100) == (100,)
+  assert A.MIN_WINDOW == 256
+  assert A.context_windows(640) == (256, 512, 640)
+  assert A.context_windows(2048) == (256, 512, 1024, 2048)
+  assert A.context_windows(256) == (256,) and A.context_windows(100) == (100,)
 
 
 @pytest.mark.parametrize('form', ['tree', 'blocks', 'per_token_context'])
@@ -184,9 +185,9 @@ def test_attention_reads_the_smallest_window_holding_every_rows_context(monkeypa
   """With windows (4, 8, 16, 20) over 20 slots, attention reads only the first W slots, W the
   smallest window holding every row's context: NaN past W changes nothing (a NaN value read
   under a zero probability would give NaN), and the result equals the whole cache's."""
-  monkeypatch.setattr(M, 'MIN_WINDOW', 4)
+  monkeypatch.setattr(A, 'MIN_WINDOW', 4)
   B, T, G, S = 2, 8, 4, 20
-  assert M.context_windows(S) == (4, 8, 16, 20)
+  assert A.context_windows(S) == (4, 8, 16, 20)
   q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(5), B=B, T=T, S=S)
   lens = jnp.asarray(ctx_lens)
   if form == 'per_token_context':  # [B, T, S]: token t sees one slot less than the row's context
@@ -197,14 +198,14 @@ def test_attention_reads_the_smallest_window_holding_every_rows_context(monkeypa
   block = G if form == 'blocks' else None
   W = min(w for w in (4, 8, 16, 20) if w >= max(ctx_lens))
   poisoned = {n: x.at[:, :, W:].set(jnp.nan) for n, x in kv.items()}
-  got = jax.jit(M.attention, static_argnums=(6,))(q, k_new, v_new, poisoned, ctx_mask, tree,
+  got = jax.jit(A.attention, static_argnums=(6,))(q, k_new, v_new, poisoned, ctx_mask, tree,
                                                    block)
-  whole = M._attend_window(S, q, k_new, v_new, kv,  # pylint: disable=protected-access
+  whole = A._attend_window(S, q, k_new, v_new, kv,  # pylint: disable=protected-access
                            ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None], tree, block)
   np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
   if W > 4:  # the next smaller window would drop context: the comparison can tell
     smaller = max(w for w in (4, 8, 16, 20) if w < W)
-    cut = M._attend_window(smaller, q, k_new, v_new, kv,  # pylint: disable=protected-access
+    cut = A._attend_window(smaller, q, k_new, v_new, kv,  # pylint: disable=protected-access
                            ctx_mask if ctx_mask.ndim == 3 else ctx_mask[:, None], tree, block)
     assert np.abs(np.asarray(cut) - np.asarray(whole)).max() > 1e-3
 
@@ -215,8 +216,8 @@ def test_fresh_attention_equals_causal_attention_over_an_empty_cache(dtype):
   with every cache slot masked out."""
   B, T, S = 2, 12, 16
   q, k_new, v_new, kv = _attention_inputs(jax.random.PRNGKey(2), B=B, T=T, S=S, dtype=dtype)
-  ref = M.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), M.causal_mask(B, T))
-  got = M.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), None, fresh=True)
+  ref = A.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), M.causal_mask(B, T))
+  got = A.attention(q, k_new, v_new, kv, jnp.zeros((B, S), bool), None, fresh=True)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
 

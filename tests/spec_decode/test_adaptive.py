@@ -12,7 +12,7 @@ import pytest
 
 from d2sd_jax.spec_decode import adaptive
 from d2sd_jax.spec_decode import ar as AR
-from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import lookup as lookup_lib
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.spec_decode import tree as tree_lib
 from tests.helpers import loop_checks as H
@@ -158,7 +158,7 @@ def test_lookup_cycles_verify_the_lookup_alone_when_it_pays(tiny, trained, looku
   assert sp_out == ar_out
   _, init, _, step = H.jitted()
   draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
-  lookup = jax.jit(drafting.lookup, static_argnames=('settings',))
+  lookup = jax.jit(lookup_lib.lookup, static_argnames=('settings',))
   block, lens = AR.pad_prompts(PROMPTS, 0, bucket=8)
   state = init(trained, cfg, spec, block, lens, AR.row_keys(0, range(len(PROMPTS))),
                SP.cache_size_needed(block.shape[1], spec))

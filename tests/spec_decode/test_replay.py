@@ -1,5 +1,5 @@
 """Prompt lookup replayed on the host (d2sd_jax/spec_decode/replay.py) against the programs:
-the proposal of drafting.lookup, and the cycles of the pld decode loop."""
+the proposal of lookup.lookup, and the cycles of the pld decode loop."""
 
 import collections
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from d2sd_jax.spec_decode import ar as AR
-from d2sd_jax.spec_decode import drafting
+from d2sd_jax.spec_decode import lookup as lookup_lib
 from d2sd_jax.spec_decode import replay
 from d2sd_jax.spec_decode import speculative as SP
 from tests.helpers import loop_checks as H
@@ -16,7 +16,7 @@ from tests.helpers.tiny_drafters import PROMPTS
 
 
 def test_lookup_proposal_is_drafting_pld_rule():
-  """replay.lookup_proposal (plain Python) proposes what drafting.lookup proposes, on
+  """replay.lookup_proposal (plain Python) proposes what lookup.lookup proposes, on
   random sequences of a 4-token alphabet (matches of every length, repeats, no match)."""
   rng = np.random.default_rng(0)
   State = collections.namedtuple('State', 'seq_BxL seq_len_B')
@@ -25,7 +25,7 @@ def test_lookup_proposal_is_drafting_pld_rule():
   L = 24
   lens = rng.integers(1, L, 64)
   seqs = rng.integers(0, 4, (64, L))
-  draft, valid, matched = jax.jit(drafting.lookup, static_argnums=0)(
+  draft, valid, matched = jax.jit(lookup_lib.lookup, static_argnums=0)(
       settings, State(jnp.asarray(seqs, jnp.int32), jnp.asarray(lens, jnp.int32)))
   kinds = set()
   for b in range(64):

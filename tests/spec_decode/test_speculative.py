@@ -7,7 +7,7 @@ import pytest
 
 from d2sd_jax.spec_decode import drafting
 from d2sd_jax.spec_decode import ar as AR
-from d2sd_jax.models import target as M
+from d2sd_jax.models import attention as A
 from d2sd_jax.models import sampling as S
 from d2sd_jax.spec_decode import speculative as SP
 from d2sd_jax.spec_decode import tree as tree_lib
@@ -201,7 +201,7 @@ def test_drafter_methods_equal_ar(tiny, trained, method, steps, budget, redraft,
 
 @pytest.mark.parametrize('method', ['d2sd', 'd2sd_pld'])
 def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatch, method):
-  """Windows of 8, 16, 32, ... slots (model.context_windows; 256 and up by default), so the
+  """Windows of 8, 16, 32, ... slots (attention.context_windows; 256 and up by default), so the
   cycles cross from one window into the next, in the target's verification and in the
   drafters' context: still AR greedy's output (computed over the whole cache, before the
   windows shrink), fresh caches after every cycle, drafts accepted on branches."""
@@ -209,9 +209,9 @@ def test_attention_over_context_windows_stays_lossless(tiny, trained, monkeypatc
   spec = SP.SpecSettings(AR.GenerationSettings(max_new_tokens=14, eos_ids=(), pad_id=0),
                          method=method, gamma=5, drafter1=DCFG, drafter2=DCFG2, n_branches=3)
   reference = H.ar_outputs(cfg, params, PROMPTS, spec.generation)
-  monkeypatch.setattr(M, 'MIN_WINDOW', 8)
+  monkeypatch.setattr(A, 'MIN_WINDOW', 8)
   block, _ = AR.pad_prompts(PROMPTS, 0, bucket=8)
-  windows = M.context_windows(SP.cache_size_needed(block.shape[1], spec))
+  windows = A.context_windows(SP.cache_size_needed(block.shape[1], spec))
   window_of = lambda n: min(w for w in windows if w >= n)
   # the longest row's context starts in one window and ends in a larger one
   longest = max(len(p) for p in PROMPTS)
