@@ -173,8 +173,10 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
   in turns: prompt i by every run, in order, before prompt i + 1. The machine's drift (tens of
   percent within a set on a shared 2-core VM) then weighs on every row alike, not on whichever
   ran while the machine was slow. Every speed-up is against the mean of the two AR runs, whose
-  gap shows the noise left. The prompts are padded to the set's longest (`prompt_width`): each
-  run compiles one program, as one call over the whole set would. method=auto learns across the
+  gap shows the noise left. The prompts of every set are padded to the section's longest
+  (`prompt_width`): each run compiles one program for the whole section, reused by every set
+  and prompt (a decode step reads the context windows its rows fill, so the padding costs the
+  prefill, not the tokens/s). method=auto learns across the
   calls as across the batches of one call (a fresh choice cache per set, from the shipped
   priors). Greedy (`sampling` None), any output that differs from AR's stops the run; with
   `sampling` (temperature, top_p, seed) prompt i samples with seed + i, and outputs are draws of
@@ -183,8 +185,9 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
   tok = generate_lib.tokenizer_of(dec.target)
   everything = (*runs, ('ar (end)', 'ar', {}))
   out = {}
+  width = max(len(tok.encode_prompt(p, chat, {})) for prompts, chat in sets.values()
+              for p in prompts)
   for name, (prompts, chat) in sets.items():
-    width = max(len(tok.encode_prompt(p, chat, {})) for p in prompts)
     if any(method == 'auto' for _, method, _ in runs):  # no choice remembered from another set
       os.environ['D2SD_AUTO_CACHE'] = tempfile.mkdtemp(prefix='d2sd-auto-')
     calls = {label: [] for label, _, _ in everything}
@@ -208,7 +211,6 @@ def lossless_rows(dec, section: str, sets: dict, runs, tokens: int, sampling=Non
                         'decode_tokens_per_s': st['decode_tokens_per_s']}), flush=True)
     ar_ms = np.mean([per_token_ms(st) for label, st in done if label in ('ar', 'ar (end)')])
     out[name] = [row_of(label, st, ar_ms) for label, st in done]
-    dec.drop_programs()  # (the next set's prompt width makes programs of its own)
   return out
 
 

@@ -87,7 +87,8 @@ class _Decoder:
 
 
 def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
-  """Prompt-major turns, every call padded to the set's longest prompt (chat marker included),
+  """Prompt-major turns, every call padded to the section's longest prompt (chat marker
+  included, the sets' programs shared: none dropped between them),
   a fresh auto cache per set (not per call), seed + i when sampling; the rows merge the calls:
   tau over all cycles, the trees' expected tau weighted by their cycles, auto's parts joined;
   a changed output stops the run."""
@@ -96,13 +97,10 @@ def test_rows_decode_every_run_on_one_prompt_before_the_next(monkeypatch):
   runs = (('ar', 'ar', {}), ('pld', 'pld', {}), ('auto', 'auto', {}))
   out = reproduce.lossless_rows(dec, 'trees', {'s1': (['a', 'bb', 'ccc'], True),
                                                's2': (['ddddd'], False)}, runs, 6)
-  # each set's programs are dropped after it (its prompt width is its own)
-  dropped = [i for i, call in enumerate(dec.calls) if call == ('dropped',)]
-  assert dropped == [12, 17]
-  dec.calls = [call for call in dec.calls if call != ('dropped',)]
+  assert ('dropped',) not in dec.calls
   order = [(prompt, method) for prompt, method, *_ in dec.calls]
   assert order == [(p, m) for p in ('a', 'bb', 'ccc', 'ddddd') for m in ('ar', 'pld', 'auto', 'ar')]
-  assert [width for _, _, width, _, _ in dec.calls] == [4] * 12 + [5] * 4
+  assert [width for _, _, width, _, _ in dec.calls] == [5] * 16  # ('ddddd'; 'ccc' + marker: 4)
   caches = [cache for *_, cache in dec.calls]
   assert len(set(caches[:12])) == 1 and len(set(caches[12:])) == 1 and caches[0] != caches[12]
   assert 'unset' not in caches
