@@ -18,8 +18,8 @@ from d2sd_jax.spec_decode import tree as tree_lib
 
 
 def choice(settings, state, tree: tree_lib.Tree):
-  """The index into settings.node_costs of the shape an adaptive cycle verifies, and each row's
-  expected tokens at that shape ([B]).
+  """The index into settings.node_costs of the shape an adaptive cycle verifies, each row's
+  expected tokens at that shape ([B]) and the shape's cost (seconds, a scalar).
 
   A row's expected tokens at n nodes are 1 + its tree's expected drafts there; the tree is best
   first, so its first n nodes are its best tree of n, and their expected drafts are a prefix
@@ -40,21 +40,22 @@ def choice(settings, state, tree: tree_lib.Tree):
   r_B = jnp.where(jnp.isinf(state.tree_rate_B), own_B, state.tree_rate_B)
   gain_BxS = tokens_BxS - r_B[:, None] * costs
   best = jnp.argmax(jnp.sum(jnp.where(live_B[:, None], gain_BxS, 0.0), axis=0))
-  return best.astype(jnp.int32), tokens_BxS[:, best]
+  return best.astype(jnp.int32), tokens_BxS[:, best], costs[best]
 
 
 RATE_MEMORY = 0.25  # weight of the newest drafted cycle in SpecState.drafted_Bx2
 
 
-def running(old_Bx2, tokens_B, seconds):
+def running(old_Bx2, tokens_B, seconds, live_B=None):
   """SpecState.drafted_Bx2 after a drafted cycle that expected tokens_B at `seconds`: the first
-  drafted cycle's (tokens, seconds), then running means weighing the newest RATE_MEMORY. Their
-  ratio, SpecState.tree_rate_B, is the rate the drafted cycles have been giving: expected
-  tokens over seconds, not a mean of the cycles' own ratios, which would undercount the long
-  sure cycles."""
+  drafted cycle's (tokens, seconds), then running means weighing the newest RATE_MEMORY (rows
+  not in live_B, when given, keep theirs). Their ratio, SpecState.tree_rate_B, is the rate the
+  drafted cycles have been giving: expected tokens over seconds, not a mean of the cycles' own
+  ratios, which would undercount the long sure cycles."""
   new_Bx2 = jnp.stack([tokens_B, jnp.broadcast_to(seconds, tokens_B.shape)], axis=1)
   first_B = old_Bx2[:, 1] <= 0
-  return jnp.where(first_B[:, None], new_Bx2, old_Bx2 + RATE_MEMORY * (new_Bx2 - old_Bx2))
+  out = jnp.where(first_B[:, None], new_Bx2, old_Bx2 + RATE_MEMORY * (new_Bx2 - old_Bx2))
+  return out if live_B is None else jnp.where(live_B[:, None], out, old_Bx2)
 
 
 def lookup_wins(settings, state, lookup: tree_lib.Tree):

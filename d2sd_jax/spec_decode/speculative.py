@@ -395,12 +395,10 @@ def spec_step(params, cfg: model_lib.ModelConfig, settings: SpecSettings,
       return decided(tree), state.drafted_Bx2
     # Only the verification differs between sizes; the caches are written once, after the
     # switch, so that no branch carries (and XLA need not copy) the decoding state.
-    choice, tokens_B = adaptive.choice(settings, state, tree)
-    seconds = jnp.asarray([c for _, c in settings.node_costs], jnp.float32)[choice]
+    choice, tokens_B, seconds = adaptive.choice(settings, state, tree)
     return jax.lax.switch(choice, [functools.partial(lambda n: decided(tree_lib.prefix(tree, n)),
                                                      n) for n, _ in settings.node_costs]), (
-        jnp.where(state.done_B[:, None], state.drafted_Bx2,
-                  adaptive.running(state.drafted_Bx2, tokens_B, seconds)))
+        adaptive.running(state.drafted_Bx2, tokens_B, seconds, ~state.done_B))
   if not settings.adaptive:
     return commit_outcome(params, settings, state, drafted()[0])
   if not settings.takes_lookup_cycles:

@@ -107,7 +107,8 @@ def test_choice_grows_sure_trees_and_shrinks_unsure_ones_against_the_running_rat
   def choose(rate, done):
     state = types.SimpleNamespace(tree_rate_B=jnp.asarray(rate, jnp.float32),
                                   done_B=jnp.asarray(done))
-    s, tokens_B = adaptive.choice(spec, state, tree)
+    s, tokens_B, seconds = adaptive.choice(spec, state, tree)
+    assert float(seconds) == spec.node_costs[int(s)][1]
     return spec.node_costs[int(s)][0], np.asarray(tokens_B)
 
   n, tokens = choose([1.0, 3.0], [False, True])
@@ -131,6 +132,8 @@ def test_the_drafted_rate_is_expected_tokens_over_seconds():
   drafted = adaptive.running(drafted, jnp.asarray([3.0, 2.0]), 0.5)
   drafted = adaptive.running(drafted, jnp.asarray([1.0, 2.0]), 1.0)
   np.testing.assert_allclose(np.asarray(drafted), [[2.5, 0.625], [2.0, 0.625]], rtol=1e-6)
+  kept = adaptive.running(drafted, jnp.asarray([9.0, 9.0]), 2.0, jnp.asarray([False, True]))
+  np.testing.assert_allclose(np.asarray(kept[0]), [2.5, 0.625], rtol=1e-6)  # (a finished row)
   rate = SP.SpecState.tree_rate_B.fget(types.SimpleNamespace(
       drafted_Bx2=drafted.at[1].set(0.0)))
   np.testing.assert_allclose(np.asarray(rate), [4.0, np.inf])
