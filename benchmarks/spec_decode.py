@@ -5,7 +5,7 @@ target and any prompts file.
       [--drafter1 PATH --drafter2 PATH] [--gamma 16] [--tree_budget 0] [--chat] [--steps 1]
       [--redraft exclude|merge] [--branch_passes P]
       [--target smollm2|FILE.gguf|HF_FOLDER] [--dtype bfloat16] [--prompts_file FILE.jsonl]
-      [--records data/distill-packages] [--no-stage_times] [--rounds R]
+      [--records data/distill-packages] [--no-stage_times] [--rounds R | --turns]
       [--out FILE.json [--tag TAG]]
 
 --prompts_file takes what decode.py takes: "prompt" lines, or conversations (DFlash's
@@ -33,6 +33,9 @@ loads drafter 1 as drafter 2). AR runs first and last; speed-ups are against the
 two. --rounds R repeats that R times, the methods in reverse order every other round, and
 reports each method's mean ms per token over the rounds (a shared CPU's speed drifts by tens of
 percent within a run; alternating the order makes the drift weigh on every method alike).
+--turns instead decodes in turns, every method on prompt i before any method on prompt i + 1
+(benchmarks/turns.py): the drift then weighs alike within seconds, not within a round of
+minutes, and each method's one-off first run is paid by an untimed warm-up decode.
 auto decodes with fresh choice and cost caches (a temporary D2SD_AUTO_CACHE and
 D2SD_COST_CACHE) unless --warm_auto. Best-first trees report expected_tau (their scores'
 prediction of tau). --out keeps the run (command, date, machine, every row) in a JSON file,
@@ -145,6 +148,57 @@ def markdown(book: dict) -> str:
   return '\n'.join(out)
 
 
+def turns_rows(args, methods, prompts_file: str, tmp: str) -> list[dict]:
+  """--turns: the rows of AR, the methods and AR again ('ar (last)'), decoded in turns (every
+  run on prompt i before any on prompt i + 1: turns.lossless_rows), one target loaded once,
+  each run's programs compiled once and first run once, untimed, on the first prompt (auto
+  excepted: its first request pays them)."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.decode import api  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.decode import options as options_lib  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats import loaders  # pylint: disable=import-outside-toplevel
+  from d2sd_jax.formats.drafters import load_drafter  # pylint: disable=import-outside-toplevel
+  import turns  # pylint: disable=import-outside-toplevel
+  prompts = options_lib.read_prompts(ml_collections.ConfigDict(
+      {'prompt': '', 'prompts_file': prompts_file}))
+  target = loaders.load_target(args.target, args.dtype)
+  decoders = {}
+
+  class Decoders:
+    """Decoder.generate with the drafters a run names (drafter1= / drafter2= knobs), each pair
+    loaded once beside the one target."""
+    def __init__(self):
+      self.target = target
+
+    def generate(self, prompts, tokens, drafter1=None, drafter2=None, **kw):
+      paths = (drafter1 or args.drafter1, drafter2 or args.drafter2)
+      if paths not in decoders:
+        drafters = {name: load_drafter(path, target, args.dtype)[:2]
+                    for name, path in zip(('drafter1', 'drafter2'), paths) if path}
+        decoders[paths] = api.Decoder(target, drafters, method='ar')
+      return decoders[paths].generate(prompts, tokens, **kw)
+
+  if not args.warm_auto and any(method == 'auto' for _, method, _ in methods):
+    os.environ['D2SD_COST_CACHE'] = tempfile.mkdtemp(dir=tmp, prefix='d2sd_cost_cache')
+  spec = dict(gamma=args.gamma, n_branches=args.n_branches, tree_budget=args.tree_budget,
+              redraft=args.redraft, steps=args.steps)
+  runs = [('ar', 'ar', {})]
+  for label, method, knobs in methods:
+    extra = ({'branch_passes': args.branch_passes}
+             if method in drafting.REGISTRY and drafting.REGISTRY[method].redrafter else {})
+    runs.append((label, method, {**spec, **extra, **knobs,
+                                 'stage_times': args.stage_times and method != 'auto'}))
+  rows = turns.lossless_rows(Decoders(), 'turns', {'prompts': (prompts, args.chat)}, runs,
+                             args.new_tokens, warm=True,
+                             fresh_auto=not args.warm_auto)['prompts']
+  for row in rows:
+    if row['method'] == 'ar (end)':
+      row['method'] = 'ar (last)'
+    elif row['method'] != 'ar':  # (lossless_rows stops at a changed output)
+      row.update(lossless=True, identical_completions=f'{len(prompts)}/{len(prompts)}')
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--prompts', type=int, default=20)
@@ -174,6 +228,9 @@ def main():
   parser.add_argument('--rounds', type=int, default=1,
                       help='run AR, the methods and AR again this many times, the methods in '
                            'reverse order every other round; tokens/s are the rounds\' mean')
+  parser.add_argument('--turns', action='store_true',
+                      help='decode in turns: every method on prompt i before any on prompt i + 1 '
+                      '(AR first and last), after one untimed warm-up decode per method')
   parser.add_argument('--out', default='', help='keep the run in this JSON file')
   parser.add_argument('--tag', default='', help='with --out: keep it as SET|KIND/TAG, beside '
                       'other runs on the same prompts (default SET|KIND, replacing one)')
@@ -190,6 +247,8 @@ def main():
     print(text)
     return
   methods = parse_methods(args.methods)
+  if args.turns and args.rounds > 1:
+    parser.error('--turns decodes every method on each prompt in turn: leave out --rounds')
 
   with tempfile.TemporaryDirectory() as tmp:
     prompts_file = os.path.join(tmp, 'prompts.jsonl')
@@ -273,40 +332,44 @@ def main():
         raise SystemExit(f'{label} changed {len(ar_ids) - same} completions: not lossless')
       return row
 
-    # Round r runs AR, the methods, AR again; odd rounds take the methods in reverse order, so
-    # that a drift of the machine's speed over the run weighs on every method alike. A method's
-    # ms per token is its mean over the rounds (each round's in ms_per_token_rounds).
-    ar_stats, ar_ids = run('ar')
-    rounds = []
-    for r in range(args.rounds):
-      if r:
-        ar_stats = run('ar')[0]
-      first = ar_row(ar_stats)
-      order = methods if r % 2 == 0 else methods[::-1]
-      got = {label: method_row(label, *run(method, knobs), ar_ids, first['ms_per_token'])
-             for label, method, knobs in order}
-      last = ar_row(run('ar')[0])
-      rounds.append((first, got, last))
     summary = {'prompts': len(lines), 'new_tokens': args.new_tokens, 'chat': args.chat,
                'target': args.target, 'dtype': args.dtype,
                'prompts_file': (args.set if args.set else
                                 f'held-out records of {args.records}' if args.records else
                                 args.prompts_file or 'HumanEval'),
-               'rounds': args.rounds}
+               **({'turns': True} if args.turns else {'rounds': args.rounds})}
 
-    def pooled(per_round: list[dict], **extra) -> dict:
-      """The first round's row with the rounds' mean ms per token (and each round's)."""
-      ms = [r['ms_per_token'] for r in per_round]
-      row = dict(per_round[0], **extra, ms_per_token=round(sum(ms) / len(ms), 2))
-      if args.rounds > 1:
-        row.update(ms_per_token_rounds=ms,
-                   decode_tokens_per_s=round(1e3 / row['ms_per_token'], 2))
-      return row
+    if args.turns:
+      rows = turns_rows(args, methods, prompts_file, tmp)
+    else:
+      # Round r runs AR, the methods, AR again; odd rounds take the methods in reverse order, so
+      # that a drift of the machine's speed over the run weighs on every method alike. A method's
+      # ms per token is its mean over the rounds (each round's in ms_per_token_rounds).
+      ar_stats, ar_ids = run('ar')
+      rounds = []
+      for r in range(args.rounds):
+        if r:
+          ar_stats = run('ar')[0]
+        first = ar_row(ar_stats)
+        order = methods if r % 2 == 0 else methods[::-1]
+        got = {label: method_row(label, *run(method, knobs), ar_ids, first['ms_per_token'])
+               for label, method, knobs in order}
+        last = ar_row(run('ar')[0])
+        rounds.append((first, got, last))
 
-    rows = [pooled([f for f, _, _ in rounds])]
+      def pooled(per_round: list[dict], **extra) -> dict:
+        """The first round's row with the rounds' mean ms per token (and each round's)."""
+        ms = [r['ms_per_token'] for r in per_round]
+        row = dict(per_round[0], **extra, ms_per_token=round(sum(ms) / len(ms), 2))
+        if args.rounds > 1:
+          row.update(ms_per_token_rounds=ms,
+                     decode_tokens_per_s=round(1e3 / row['ms_per_token'], 2))
+        return row
+
+      rows = [pooled([f for f, _, _ in rounds])]
+      rows += [pooled([got[label] for _, got, _ in rounds]) for label, _, _ in methods]
+      rows.append(pooled([end for _, _, end in rounds], method='ar (last)'))
     summary['ar_tokens_per_s'] = rows[0]['decode_tokens_per_s']  # (several rounds: their mean)
-    rows += [pooled([got[label] for _, got, _ in rounds]) for label, _, _ in methods]
-    rows.append(pooled([end for _, _, end in rounds], method='ar (last)'))
     # speed-ups against AR's mean over every round's first and last runs
     ar_ms = (rows[0]['ms_per_token'] + rows[-1]['ms_per_token']) / 2
     for row in rows:
