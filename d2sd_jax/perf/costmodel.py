@@ -10,7 +10,10 @@ Measured (`measure`), on the state after a prefill of `context` tokens (median o
   - the parts, each compiled and timed alone (with that overhead; for the breakdown and for
     tree sizes not measured as a whole cycle): a verification pass of T nodes for T in a grid
     (speculative.verify), each drafting configuration's draft (speculative.draft), and
-    acceptance + commit of T nodes (speculative.accept_and_commit). The result is cached as JSON under
+    acceptance + commit of T nodes (speculative.accept_and_commit).
+Every program is timed in turns (`_medians_s`: a run of each, round after round), so a drift
+of the machine's speed during the measurement weighs on every figure alike and the ratios an
+adaptive tree chooses by hold. The result is cached as JSON under
 ~/.cache/d2sd_jax/costs/ (D2SD_COST_CACHE overrides), keyed by the device kind, the target's and
 drafters' shapes and dtypes, the batch, the context and what was measured; `--force` measures
 again.
@@ -165,14 +168,22 @@ def loop_program(step):
                  compiler_options=xla_options.for_platform(jax.devices()[0].platform))
 
 
-def _median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # warm
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
+def _medians_s(timed: dict, repeats: int) -> dict:
+  """Each program's median seconds over `repeats` runs, after one warm run each, taken in
+  turns: one run of every program, then the next round. A shared machine's speed drifts by
+  tens of percent within minutes; timed in turns, the drift weighs on every figure alike, so
+  the ratios between them hold (n nodes against m, a lookup-only cycle against a drafted one:
+  what an adaptive tree chooses by), where timing each program's runs back to back put the
+  drift between programs."""
+  for fn in timed.values():
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  times = {k: [] for k in timed}
+  for _ in range(repeats):
+    for k, fn in timed.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[k].append(time.perf_counter() - t)
+  return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _chain_spec(gen, nodes: int) -> SP.SpecSettings:
@@ -196,7 +207,7 @@ def _cache_key(tcfg, params, specs, batch, context, sizes) -> str:
   blob = json.dumps([dev.platform, dev.device_kind, len(jax.devices()), repr(tcfg),
                      repr(shapes), sorted(draft_key(s) + repr((s.drafter1, s.drafter2))
                                           for s in specs), batch, context, list(sizes),
-                     jax.__version__, 'loop-v4'], sort_keys=True, default=str)
+                     jax.__version__, 'turns-v5'], sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -226,29 +237,34 @@ def measure(params: dict, tcfg: model_lib.ModelConfig, specs: list[SP.SpecSettin
   prefill = jax.jit(ar.prefill, static_argnames=('cfg', 'settings', 'cache_size'))
   ar_state = prefill(ar_params, tcfg, gen, block, lens, keys, cache_size)
   ar_loop = loop_program(lambda s, p: ar.decode_step(p, tcfg, gen, s))
-  ar_step = _median_s(lambda: ar_loop(ar_state, ar_params), repeats) / LOOP_ITERS
+  timed = {('ar',): lambda: ar_loop(ar_state, ar_params)}  # what to time, by (kind, key)
 
   init = jax.jit(SP.init_state, static_argnames=('cfg', 'settings', 'cache_size'))
   verify = jax.jit(SP.verify, static_argnames=('cfg', 'settings'))
   accept = jax.jit(SP.accept_and_commit, static_argnames=('settings',))
   draft = jax.jit(SP.draft, static_argnames=('cfg', 'settings'))
-  verify_s, accept_s, draft_s, cycle_s = {}, {}, {}, {}
   target_only = {'target': params['target']}
   for T in sizes:
     spec = _chain_spec(gen, T)
     state = init(target_only, tcfg, spec, block, lens, keys, cache_size)
     tree = tree_lib.chain(state.anchor_B, jnp.zeros((batch, T - 1), jnp.int32),
                           jnp.ones((batch, T - 1), bool))
-    verify_s[T] = _median_s(lambda: verify(target_only, tcfg, spec, state, tree), repeats)
     v = verify(target_only, tcfg, spec, state, tree)
-    accept_s[T] = _median_s(lambda: accept(target_only, spec, state, tree, v), repeats)
+    timed['verify', T] = lambda sp=spec, st=state, tr=tree: verify(target_only, tcfg, sp, st, tr)
+    timed['accept', T] = lambda sp=spec, st=state, tr=tree, v=v: accept(target_only, sp, st, tr,
+                                                                         v)
   for spec in specs:
     spec = dataclasses.replace(spec, generation=gen)
     bundle = {n: params[n] for n in ('target',) + spec.drafters}
     state = init(bundle, tcfg, spec, block, lens, keys, cache_size)
-    draft_s[draft_key(spec)] = _median_s(lambda: draft(bundle, tcfg, spec, state), repeats)
     loop = loop_program(lambda s, b, sp=spec: SP.spec_step(b, tcfg, sp, s))
-    cycle_s[cycle_key(spec)] = _median_s(lambda: loop(state, bundle), repeats) / LOOP_ITERS
+    timed['draft', draft_key(spec)] = lambda sp=spec, b=bundle, st=state: draft(b, tcfg, sp, st)
+    timed['cycle', cycle_key(spec)] = lambda lp=loop, b=bundle, st=state: lp(st, b)
+  seconds = _medians_s(timed, repeats)
+  ar_step = seconds['ar',] / LOOP_ITERS
+  verify_s, accept_s, draft_s, cycle_s = ({k[1]: v for k, v in seconds.items() if k[0] == kind}
+                                          for kind in ('verify', 'accept', 'draft', 'cycle'))
+  cycle_s = {k: v / LOOP_ITERS for k, v in cycle_s.items()}
   costs = CycleCosts(device=jax.devices()[0].device_kind, batch=batch, context=context,
                      ar_step=ar_step, verify=verify_s, accept=accept_s, draft=draft_s,
                      cycles=cycle_s)

@@ -87,9 +87,26 @@ def test_measured_costs_are_cached_and_interpolated(tiny, cost_cache, monkeypatc
   assert abs(parts.cycle(specs[0]) - (costs.draft[costmodel.draft_key(specs[0])] +
                                       costs.at('verify', 4) + costs.at('accept', 4))) < 1e-12
   # A second call reads the cache: nothing is timed again.
-  monkeypatch.setattr(costmodel, '_median_s', lambda *a: pytest.fail('measured again'))
+  monkeypatch.setattr(costmodel, '_medians_s', lambda *a: pytest.fail('measured again'))
   again = costmodel.measure(bundle, cfg, specs, context=24, sizes=(2, 8), repeats=2)
   assert again == costs
+
+
+def test_programs_are_timed_in_turns_and_each_takes_its_median(monkeypatch):
+  """One warm run of each, then rounds of one run of every program (a drift of the machine's
+  speed then weighs on every figure alike); each figure is the median of its own runs."""
+  clock, calls = [0.0], []
+  monkeypatch.setattr(costmodel.time, 'perf_counter', lambda: clock[0])
+
+  def program(name, seconds):
+    def run():
+      calls.append(name)
+      clock[0] += seconds.pop(0)
+    return run
+
+  timed = {'a': program('a', [9.0, 1.0, 5.0, 1.5]), 'b': program('b', [9.0, 2.0, 2.5, 7.0])}
+  assert costmodel._medians_s(timed, 3) == {'a': 1.5, 'b': 2.5}  # pylint: disable=protected-access
+  assert calls == ['a', 'b'] * 4
 
 
 @pytest.mark.slow  # (lowering at 8B shapes: the tiny roofline tests stay in the default tier)
