@@ -276,10 +276,17 @@ def main():
   paid = dict(cost)  # what a replayed cycle costs: the table's, or (--paid loop) the loop's
   if args.paid == 'loop':
     paid = in_loop_costs(dec, args, prompts[:args.paid_prompts], width, shapes)
+  # (--keep: what the positions were drafted from, so that a pickle of another run is refused)
+  drafted_from = [args.method, args.budget, args.gamma, args.drafter1, args.drafter2,
+                  prompt_ids, truths]
   outputs = None
   if args.keep and os.path.exists(args.keep):
     with open(args.keep, 'rb') as f:
-      outputs = pickle.load(f)
+      kept = pickle.load(f)
+    if kept.get('drafted_from') != drafted_from:
+      raise SystemExit(f'--keep {args.keep} holds positions drafted for other prompts, drafters '
+                       'or settings: give another path, or delete it to draft again')
+    outputs = kept['outputs']
   if outputs is None:
     outputs = []
     for i, (ids, truth) in enumerate(zip(prompt_ids, truths)):
@@ -287,7 +294,7 @@ def main():
       print(f'prompt {i}: {len(truth)} tokens', file=sys.stderr, flush=True)
     if args.keep:
       with open(args.keep, 'wb') as f:
-        pickle.dump(outputs, f)
+        pickle.dump({'drafted_from': drafted_from, 'outputs': outputs}, f)
   rows = {f'fixed {n}': total(outputs, paid, lambda c, n=n: (lambda p, m: n)) for n in shapes}
   for name, sh in ((f'shapes {"/".join(map(str, shapes))}', shapes),):
     for lookup in (False, True):
