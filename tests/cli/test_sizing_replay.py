@@ -17,16 +17,21 @@ from d2sd_jax.spec_decode import adaptive  # pylint: disable=wrong-import-positi
 
 
 def test_committed_is_the_deepest_accepted_node_among_the_first_n():
-  """anchor -> 5 -> 6 -> 9 and anchor -> 7, against the output [a, 5, 6, 8]: node 1 (5) and its
-  child (6) are the continuation, 7 is not, 9 misses 8; a cycle never commits past the room."""
-  tokens = np.array([3, 5, 7, 6, 9])
-  parents = np.array([0, 0, 0, 1, 3])
-  valid = np.array([True, True, True, True, True])
-  truth = [3, 5, 6, 8]
-  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 3).tolist() == [1, 2, 2, 3, 3]
-  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 2).tolist() == [1, 2, 2, 2, 2]
+  """anchor -> 5 -> 6 -> 9 and anchor -> 7 -> 6 -> 8 -> 4, against the output [a, 5, 6, 8, 4]:
+  node 1 (5) and its child (6) are the continuation; 9 misses 8; under the rejected 7, the
+  chain 6 -> 8 -> 4 matches the output but is never accepted; a cycle never commits past the
+  room."""
+  tokens = np.array([3, 5, 7, 6, 9, 6, 8, 4])
+  parents = np.array([0, 0, 0, 1, 3, 2, 5, 6])
+  valid = np.ones(8, bool)
+  truth = [3, 5, 6, 8, 4]
+  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 4).tolist() == [
+      1, 2, 2, 3, 3, 3, 3, 3]
+  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 2).tolist() == [
+      1, 2, 2, 2, 2, 2, 2, 2]
   valid[3] = False  # an invalid node is never accepted, nor anything under it
-  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 3).tolist() == [1, 2, 2, 2, 2]
+  assert sizing_replay.committed(tokens, parents, valid, truth, 1, 4).tolist() == [
+      1, 2, 2, 2, 2, 2, 2, 2]
 
 
 def test_the_replayed_rule_chooses_what_the_program_chooses():
